@@ -1,0 +1,126 @@
+"""build_tree against the Python heap of Algorithm 1, exactly (token, parent, depth)."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree.reference import build_tree_heap
+
+
+def _as_lists(tree, r):
+    n = int(tree.num_nodes[r])
+    return list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
+                    tree.depths[r, :n].tolist()))
+
+
+def _check(logits, budget):
+    tree = build_tree(logits, budget)
+    R, D, V = logits.shape
+    for r in range(R):
+        ref = build_tree_heap(logits[r], budget)
+        assert _as_lists(tree, r) == ref, (r, budget)
+        n = len(ref)
+        # padding
+        assert (tree.token_ids[r, n:] == -1).all() and (tree.parents[r, n:] == -1).all()
+        assert (tree.depths[r, n:] == 0).all()
+    return tree
+
+
+def _logits(gen, R, D, V, kind):
+    if kind == "normal":
+        return torch.randn(R, D, V, generator=gen) * 3
+    if kind == "peaked":  # realistic drafts: one dominant token per depth
+        x = torch.randn(R, D, V, generator=gen)
+        x.scatter_(2, torch.randint(0, V, (R, D, 1), generator=gen), 12.0)
+        return x
+    if kind == "ties":  # few distinct values: massive ties in logits and in path scores
+        return torch.randint(0, 3, (R, D, V), generator=gen).float()
+    if kind == "flat":
+        return torch.zeros(R, D, V)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["normal", "peaked", "ties", "flat"])
+@pytest.mark.parametrize("R,D,V,budget", [
+    (1, 1, 2, 1), (3, 1, 7, 5), (2, 4, 2, 20), (2, 3, 3, 100),  # budget > D*V
+    (4, 6, 50, 1), (4, 6, 50, 6), (4, 15, 64, 60), (2, 16, 300, 240),
+    (2, 15, 1000, 1024), (64, 5, 40, 16),
+])
+def test_build_matches_heap(kind, R, D, V, budget):
+    gen = torch.Generator().manual_seed(R * 1000 + D * 100 + V + budget)
+    _check(_logits(gen, R, D, V, kind), budget)
+
+
+def test_large_vocab():
+    gen = torch.Generator().manual_seed(7)
+    _check(_logits(gen, 2, 15, 50_000, "peaked"), 256)
+    _check(_logits(gen, 1, 4, 50_000, "ties"), 64)
+
+
+def test_topological_order_and_counts():
+    gen = torch.Generator().manual_seed(3)
+    x = _logits(gen, 8, 15, 200, "normal")
+    tree = build_tree(x, 300)
+    assert (tree.num_nodes == 300).all()
+    j = torch.arange(300)
+    assert (tree.parents <= j).all()  # parent (1-based) precedes the node
+    par = tree.parents.clamp(min=1) - 1
+    pdepth = torch.where(tree.parents == 0, 0, torch.gather(tree.depths, 1, par))
+    assert (tree.depths == pdepth + 1).all()
+    # best-first: scores never increase along the output order
+    assert (tree.scores[:, 1:] <= tree.scores[:, :-1]).all()
+    # siblings carry distinct tokens
+    for r in range(8):
+        seen = set(zip(tree.parents[r].tolist(), tree.token_ids[r].tolist()))
+        assert len(seen) == 300
+
+
+def test_per_request_budget_tensor():
+    gen = torch.Generator().manual_seed(11)
+    x = _logits(gen, 5, 6, 30, "normal")
+    budgets = torch.tensor([0, 1, 7, 30, 64])
+    tree = build_tree(x, budgets, max_budget=64)
+    assert tree.token_ids.shape == (5, 64)
+    assert tree.num_nodes.tolist() == [0, 1, 7, 30, 64]
+    for r in range(5):
+        assert _as_lists(tree, r) == build_tree_heap(x[r], int(budgets[r]))
+    with pytest.raises(ValueError, match="max_budget"):
+        build_tree(x, budgets)
+
+
+def test_empty_and_degenerate():
+    x = torch.randn(3, 4, 10)
+    t = build_tree(x, 0)
+    assert t.token_ids.shape == (3, 0) and t.num_nodes.tolist() == [0, 0, 0]
+    t = build_tree(torch.randn(0, 4, 10), 5)
+    assert t.token_ids.shape == (0, 5)
+
+
+def test_nan_inf_logits():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 5, 30, generator=gen)
+    x[0, 1, 3] = float("nan")
+    x[1, :, :] = float("nan")  # a whole request of NaN
+    x[2, 2, 7] = float("inf")
+    x[3, 0, :] = float("-inf")
+    x[3, 3, 4] = float("-inf")
+    tree = _check(x, 40)
+    # NaN counts as -inf: the NaN token is ranked after every finite token at its depth
+    assert torch.isfinite(tree.scores[0, : int(tree.num_nodes[0])]).all()
+    # +inf wins its depth outright
+    d3 = (tree.depths[2] == 3) & (tree.parents[2] >= 0)
+    assert 7 in tree.token_ids[2][d3].tolist()
+
+
+def test_budget_larger_than_tree():
+    x = torch.randn(2, 3, 2)
+    tree = _check(x, 50)
+    assert tree.num_nodes.tolist() == [2 + 4 + 8] * 2  # every prefix
+
+
+def test_expected_accepted_is_path_probability_sum():
+    x = torch.randn(1, 3, 5)
+    tree = build_tree(x, 500)  # the whole tree: sum over all prefixes = D
+    assert math.isclose(float(tree.expected_accepted()[0]), 3.0, rel_tol=1e-5)

@@ -1,0 +1,234 @@
+"""Exact, batched, sync-free construction of DDTree draft trees.
+
+The tree is the node set of the paper's Algorithm 1: the ``B`` prefixes with the
+highest score, where a prefix ``(r_1, ..., r_d)`` of per-depth token ranks scores
+``sum_i lp_i[r_i]`` (``lp_i`` = log-softmax of depth ``i``'s draft logits, summed in
+float32, left to right).  A best-first heap enumerates nodes in increasing order of the
+key
+
+    (-score, depth, key rank of the parent, token rank)
+
+(see :func:`vllm_ddtree.tree.reference.build_tree_heap`).  The key never decreases from a
+parent to its first child or from a node to its next sibling, so the heap's ``B`` pops
+are exactly the ``B`` smallest keys, and this module computes that set directly:
+
+* Within one depth, a node's key is smaller than that of every node whose parent comes
+  later in key order and whose token rank is larger.  Hence a node with parent at
+  per-depth position ``i`` and token rank ``r`` is preceded by at least
+  ``(i + 1) * (r + 1) - 1`` nodes of its own depth, and can be among the ``B`` best of
+  its depth only if ``(i + 1) * (r + 1) <= B``.  The per-depth top-``B`` set is therefore
+  the top-``B`` of ``~B ln B`` candidate pairs formed from the previous depth's top-``B``.
+* A node of the global top-``B`` is among the top-``B`` of its own depth, so the global
+  top-``B`` is the top-``B`` of the union of the per-depth sets (``D * B`` candidates).
+
+Keys are packed into int64 (order-preserving float32 bits above a tie code), so each
+selection is one ``torch.topk`` with no ties: identical inputs give identical trees on
+every device and every tensor-parallel rank.  There is a Python loop over depths only;
+no loop over requests or nodes, and no device-to-host copy.
+
+Token ranks at each depth order tokens by sanitized logit (descending), ties by lower
+token id.  Sanitizing: NaN counts as -inf, +inf as the largest finite float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_LOW32 = (1 << 32) - 1
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, best-first (hence topological) node order.
+
+    Node ``j`` of request ``r`` has token ``token_ids[r, j]``, parent ``parents[r, j]``
+    (0 = the root, ``k + 1`` = node ``k``; always ``<= j``) and depth ``depths[r, j]``
+    (1..D).  Slots ``j >= num_nodes[r]`` hold -1, -1 and 0.  ``scores`` holds each
+    node's float32 log-probability under the drafter (-inf in unused slots).
+    """
+
+    token_ids: torch.Tensor  # [R, Bmax] int64
+    parents: torch.Tensor  # [R, Bmax] int64
+    depths: torch.Tensor  # [R, Bmax] int64
+    num_nodes: torch.Tensor  # [R] int64
+    scores: torch.Tensor  # [R, Bmax] float32
+    max_depth: int  # D (static)
+
+    @property
+    def width(self) -> int:
+        return self.token_ids.shape[1]
+
+    def expected_accepted(self) -> torch.Tensor:
+        """Sum of the nodes' path probabilities: the drafter's expected accepted
+        length (excluding the bonus token), per request, as float32."""
+        return self.scores.exp().sum(dim=1)
+
+
+def sanitized_logits(draft_logits: torch.Tensor) -> torch.Tensor:
+    """float32 copy with NaN -> -inf and +inf -> float32 max."""
+    x = draft_logits.float()
+    big = torch.finfo(torch.float32).max
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
+def depth_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per depth, the ``k`` best tokens and their log-probabilities.
+
+    Returns ``(logprobs [R, D, k] float32, token_ids [R, D, k] int64)``, ranked by logit
+    descending, ties by lower token id.
+    """
+    x = sanitized_logits(draft_logits)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    if x.is_cuda:
+        # CUDA topk fills ties at the k-th value in index order; re-sort the selection
+        # by (value desc, id asc) since topk's own order among equal values is unspecified.
+        vals, idx = torch.topk(x, k, dim=-1, sorted=False)
+        idx, perm = torch.sort(idx, dim=-1)
+        vals = torch.gather(vals, -1, perm)
+        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
+        idx = torch.gather(idx, -1, perm)
+    else:
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        vals, idx = vals[..., :k], idx[..., :k]
+    lp = vals - lse
+    lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
+    return lp, idx
+
+
+def _orderable(x: torch.Tensor) -> torch.Tensor:
+    """int64 whose order equals the order of float32 ``x`` (no NaN; -0 == +0)."""
+    x = x + 0.0  # -0.0 -> +0.0
+    bits = x.view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _pack(score: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """Larger = better: higher score, then lower tie code (tie < 2**32)."""
+    return (_orderable(score) << 32) | (_LOW32 - tie)
+
+
+def _unpack_tie(key: torch.Tensor) -> torch.Tensor:
+    return _LOW32 - (key & _LOW32)
+
+
+def _unpack_score(key: torch.Tensor) -> torch.Tensor:
+    bits = key >> 32
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@lru_cache(maxsize=256)
+def _pair_table(n_parents: int, k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent position, token rank) pairs with (i+1)(r+1) <= budget."""
+    pi, pr = [], []
+    for i in range(n_parents):
+        rmax = min(k, budget // (i + 1))
+        pi.extend([i] * rmax)
+        pr.extend(range(rmax))
+    dev = torch.device(device)
+    return (torch.tensor(pi, dtype=torch.int64, device=dev),
+            torch.tensor(pr, dtype=torch.int64, device=dev))
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    budget: int | torch.Tensor,
+    max_budget: int | None = None,
+) -> DraftTree:
+    """Build the best-first DDTree for every request.
+
+    Args:
+        draft_logits: ``[R, D, V]`` raw draft logits (any float dtype).
+        budget: node budget (root excluded): an int, or an int tensor ``[R]`` of
+            per-request budgets, each ``<= max_budget``.
+        max_budget: allocated width ``Bmax``.  Defaults to ``budget`` when it is an int;
+            required for tensor budgets (reading their max would sync the device).
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
+    R, D, V = draft_logits.shape
+    dev = draft_logits.device
+    if isinstance(budget, torch.Tensor):
+        if max_budget is None:
+            raise ValueError("build_tree: a tensor budget needs max_budget (the allocated width)")
+        width = int(max_budget)
+        per_req = budget.to(device=dev, dtype=torch.int64).clamp(0, width)
+    else:
+        width = int(budget if max_budget is None else max_budget)
+        if int(budget) > width:
+            raise ValueError(f"build_tree: budget {budget} exceeds max_budget {width}")
+        per_req = torch.full((R,), int(budget), dtype=torch.int64, device=dev)
+    if width < 0:
+        raise ValueError(f"build_tree: budget must be >= 0, got {width}")
+
+    empty = DraftTree(
+        token_ids=torch.full((R, width), -1, dtype=torch.int64, device=dev),
+        parents=torch.full((R, width), -1, dtype=torch.int64, device=dev),
+        depths=torch.zeros((R, width), dtype=torch.int64, device=dev),
+        num_nodes=torch.zeros((R,), dtype=torch.int64, device=dev),
+        scores=torch.full((R, width), float("-inf"), dtype=torch.float32, device=dev),
+        max_depth=D,
+    )
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return empty
+
+    K = min(width, V)
+    lp, tok = depth_candidates(draft_logits, K)  # [R, D, K]
+
+    # Per-depth top-`width` sets, each sorted by key (best first).
+    scores = [lp[:, 0, :]]  # depth 1: ranks 0..K-1 are already in key order
+    parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
+    ranks = [torch.arange(K, device=dev).expand(R, K)]
+    sizes = [K]
+    for d in range(1, D):
+        n_par = sizes[-1]
+        pi, pr = _pair_table(n_par, K, width, str(dev))
+        cand = scores[-1][:, pi] + lp[:, d, :][:, pr]  # [R, P] float32, parent first
+        key = _pack(cand, pi * K + pr)
+        n = min(width, pi.numel())
+        top = torch.topk(key, n, dim=1).values  # sorted: best first
+        code = _unpack_tie(top)
+        parent_pos.append(code // K)
+        ranks.append(code % K)
+        scores.append(_unpack_score(top))
+        sizes.append(n)
+
+    # Global top-`width` over the union of the per-depth sets.
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    all_scores = torch.cat(scores, dim=1)  # [R, total]
+    tie = torch.arange(offsets[-1], device=dev)  # = depth-major position: (depth, pos) order
+    total = offsets[-1]
+    n_out = min(width, total)
+    gkey = _pack(all_scores, tie.expand(R, total))
+    sel = _unpack_tie(torch.topk(gkey, n_out, dim=1).values)  # [R, n_out] flat positions
+
+    offs = torch.tensor(offsets[:-1], device=dev)
+    depth_idx = torch.searchsorted(offs, sel, right=True) - 1  # 0-based depth
+    all_ranks = torch.cat(ranks, dim=1)
+    all_ppos = torch.cat(parent_pos, dim=1)
+    rank = torch.gather(all_ranks, 1, sel)
+    node_tok = torch.gather(tok.reshape(R, D * K), 1, depth_idx * K + rank)
+    node_score = torch.gather(all_scores, 1, sel)
+
+    # Parent: flat position of (depth-1, parent_pos) -> index in the output order.
+    flat_to_node = torch.full((R, total), -1, dtype=torch.int64, device=dev)
+    flat_to_node.scatter_(1, sel, torch.arange(n_out, device=dev).expand(R, n_out))
+    ppos = torch.gather(all_ppos, 1, sel)
+    parent_flat = (offs[(depth_idx - 1).clamp(min=0)] + ppos).clamp(min=0)
+    parent_node = torch.gather(flat_to_node, 1, parent_flat)
+    parents = torch.where(depth_idx == 0, torch.zeros_like(parent_node), parent_node + 1)
+
+    num_nodes = per_req.clamp(max=n_out)
+    live = torch.arange(n_out, device=dev).unsqueeze(0) < num_nodes.unsqueeze(1)
+    out = empty
+    out.num_nodes = num_nodes
+    out.token_ids[:, :n_out] = torch.where(live, node_tok, -1)
+    out.parents[:, :n_out] = torch.where(live, parents, -1)
+    out.depths[:, :n_out] = torch.where(live, depth_idx + 1, 0)
+    out.scores[:, :n_out] = torch.where(live, node_score, float("-inf"))
+    return out

@@ -1,0 +1,75 @@
+"""Plain-Python references for the tree core (the oracles of the tests).
+
+``build_tree_heap`` is the paper's Algorithm 1 written as directly as possible: a heap
+of rank tuples, one pop per node, each pop pushing the next-ranked sibling and the first
+child.  Scores are float32 sums, accumulated root to leaf as on the device.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+from .build import sanitized_logits
+
+
+def depth_rankings(logits_rd: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[np.float32]]]:
+    """For one request ``[D, V]``: per depth the ``k`` best token ids (logit desc, id asc)
+    and their float32 log-probabilities."""
+    x = sanitized_logits(logits_rd)
+    lse = torch.logsumexp(x, dim=-1)
+    toks, lps = [], []
+    for d in range(x.shape[0]):
+        row = x[d].tolist()
+        order = sorted(range(len(row)), key=lambda t: (-row[t], t))[:k]
+        lp = (x[d, order] - lse[d]).numpy().astype(np.float32)
+        lp = np.where(np.isnan(lp), np.float32(-np.inf), lp)
+        toks.append(order)
+        lps.append([np.float32(v) for v in lp])
+    return toks, lps
+
+
+def build_tree_heap(logits_rd: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
+    """Reference tree for one request: ``[(token, parent, depth), ...]`` in pop order.
+
+    Heap key: ``(-score, depth, pop index of the parent, token rank)``.
+    """
+    D, V = logits_rd.shape
+    if budget <= 0 or D == 0 or V == 0:
+        return []
+    k = min(budget, V)
+    toks, lps = depth_rankings(logits_rd, k)
+    zero = np.float32(0.0)
+    heap = [(-(zero + lps[0][0]), 1, -1, 0, zero)]
+    out: list[tuple[int, int, int]] = []
+    while heap and len(out) < budget:
+        neg, depth, parent, rank, parent_score = heapq.heappop(heap)
+        me = len(out)
+        out.append((toks[depth - 1][rank], parent + 1, depth))
+        score = -neg
+        if rank + 1 < k:
+            s = np.float32(parent_score + lps[depth - 1][rank + 1])
+            heapq.heappush(heap, (-s, depth, parent, rank + 1, parent_score))
+        if depth < D:
+            s = np.float32(score + lps[depth][0])
+            heapq.heappush(heap, (-s, depth + 1, me, 0, score))
+    return out
+
+
+def walk_tree_ref(nodes: list[tuple[int, int, int]], target: list[int]) -> tuple[list[int], int]:
+    """Follow the child whose token equals the target's token at the current node.
+
+    ``target[0]`` is the target's token at the root, ``target[j + 1]`` at node ``j``.
+    Returns (accepted node indices root-first, 0 = root, j + 1 = node j; bonus token).
+    """
+    path = [0]
+    cur = 0
+    while True:
+        want = target[cur]
+        nxt = [j + 1 for j, (t, p, _) in enumerate(nodes) if p == cur and t == want]
+        if not nxt:
+            return path, want
+        cur = nxt[0]
+        path.append(cur)
