@@ -1,0 +1,87 @@
+"""Tree attention: reference = causal attention over each node's root path; the Triton
+kernel (TRITON_INTERPRET=1 on CPU) = the reference; prefix/tree split + merge = whole."""
+
+import os
+
+import pytest
+import torch
+
+from vllm_ddtree.kernels.tree_attention import (merge_attn_states, tree_attention_torch,
+                                                tree_attention_triton)
+from vllm_ddtree.tree import build_tree, tree_layout
+
+
+def _case(seed, R=3, Hq=4, Hkv=2, hd=64, budget=20, D=5, dtype=torch.float32, bs=16):
+    g = torch.Generator().manual_seed(seed)
+    tree = build_tree(torch.randn(R, D, 11, generator=g), budget)
+    lay = tree_layout(tree, torch.zeros(R, dtype=torch.long))
+    n = budget + 1
+    prefix = torch.randint(0, 40, (R,), generator=g)
+    per_req_blocks = (int(prefix.max()) + n + bs - 1) // bs
+    nblocks = R * per_req_blocks + 3
+    perm = torch.randperm(nblocks, generator=g)[: R * per_req_blocks]
+    block_table = perm.view(R, per_req_blocks).to(torch.int32)
+    k = torch.randn(nblocks, bs, Hkv, hd, generator=g).to(dtype)
+    v = torch.randn(nblocks, bs, Hkv, hd, generator=g).to(dtype)
+    q = torch.randn(R * n, Hq, hd, generator=g).to(dtype)
+    qs = torch.arange(R + 1, dtype=torch.int32) * n
+    anc = lay.ancestor_bits.reshape(R * n, -1).contiguous()
+    return dict(q=q, k_cache=k, v_cache=v, block_table=block_table, query_start=qs,
+                prefix_lens=prefix.to(torch.int32), ancestor_bits=anc), lay, tree
+
+
+def test_reference_equals_root_path_causal_attention():
+    args, lay, tree = _case(0)
+    out, lse = tree_attention_torch(**args)
+    q, kc, vc, bt = args["q"], args["k_cache"], args["v_cache"], args["block_table"]
+    R, n = bt.shape[0], lay.positions.shape[1]
+    for r in range(R):
+        p = int(args["prefix_lens"][r])
+        par = [-1] + tree.parents[r].tolist()
+        for row in range(int(tree.num_nodes[r]) + 1):
+            path = []
+            a = row
+            while a >= 0:
+                path.append(a)
+                a = par[a] if a > 0 else -1
+            idx = list(range(p)) + [p + x for x in sorted(path)]
+            pos = torch.tensor(idx)
+            blocks = bt[r].long()[pos // 16]
+            k = kc[blocks, pos % 16].repeat_interleave(2, 1)  # [L, Hq, hd]
+            v = vc[blocks, pos % 16].repeat_interleave(2, 1)
+            qq = q[r * n + row].unsqueeze(1)  # [Hq, 1, hd]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                qq, k.transpose(0, 1), v.transpose(0, 1))
+            torch.testing.assert_close(out[r * n + row], ref.squeeze(1), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_prefix_and_tree_parts():
+    args, _, _ = _case(1)
+    full, lse = tree_attention_torch(**args)
+    tree_part, lse_t = tree_attention_torch(**args, include_prefix=False)
+    # prefix part: everything but the tree (a mask of no tree bits, prefix on)
+    pre_args = dict(args, ancestor_bits=torch.zeros_like(args["ancestor_bits"]))
+    pre, lse_p = tree_attention_torch(**pre_args)
+    merged, lse_m = merge_attn_states(pre, lse_p, tree_part, lse_t)
+    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_m, lse, atol=1e-5, rtol=1e-5)
+
+
+needs_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-3),
+                                       (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hd,Hq,Hkv", [(64, 4, 2), (128, 2, 1)])
+@pytest.mark.parametrize("include_prefix", [True, False])
+def test_triton_matches_reference(dtype, tol, hd, Hq, Hkv, include_prefix):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, _, _ = _case(2, Hq=Hq, Hkv=Hkv, hd=hd, dtype=dtype, budget=24)
+    args = {k: v.to(dev) for k, v in args.items()}
+    out, lse = tree_attention_triton(**args, include_prefix=include_prefix, max_rows=25)
+    ref, ref_lse = tree_attention_torch(**args, include_prefix=include_prefix)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,1 @@
+"""Kernels, each beside the torch reference it must match."""

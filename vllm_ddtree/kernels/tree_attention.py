@@ -1,0 +1,192 @@
+"""Tree attention for DDTree verify rows over a paged KV cache.
+
+Request ``r`` has ``prefix_lens[r]`` context tokens in its paged cache (logical
+positions ``0 .. prefix_len - 1``) followed by its verify rows (row ``i`` at logical
+position ``prefix_len + i``; row 0 is the root).  Its query rows are
+``q[query_start[r] : query_start[r + 1]]``.  Query row ``q`` sees every prefix token
+(when ``include_prefix``) and the verify rows set in ``ancestor_bits[q]`` (its ancestors
+and itself).  Both implementations return ``(out [T, Hq, hd], lse [T, Hq] float32)``;
+with ``include_prefix=False`` the result covers the tree part only, to be merged with a
+prefix attention computed elsewhere (:func:`merge_attn_states`).
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's
+FlashAttention layout), ``block_table [R, max_blocks]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+# The Triton interpreter computes bf16 dot products wrongly (numpy has no bf16), so under
+# TRITON_INTERPRET=1 bf16 tiles are upcast to float32 first.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # Triton is optional: the torch reference serves CPU-only installs.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+
+
+def _gather_kv(cache: torch.Tensor, block_table_r: torch.Tensor, n: int) -> torch.Tensor:
+    bs = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    blocks = block_table_r.long()[pos // bs]
+    return cache[blocks, pos % bs]  # [n, Hkv, hd]
+
+
+def tree_attention_torch(q, k_cache, v_cache, block_table, query_start, prefix_lens,
+                         ancestor_bits, scale=None, include_prefix=True):
+    """Reference: dense masked softmax attention in float32, one request at a time."""
+    T, Hq, hd = q.shape
+    Hkv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    out = torch.zeros_like(q)
+    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+    qs, pl = query_start.tolist(), prefix_lens.tolist()
+    for r in range(len(pl)):
+        a, b, p = qs[r], qs[r + 1], pl[r]
+        n = b - a
+        if n == 0:
+            continue
+        k = _gather_kv(k_cache, block_table[r], p + n).float()
+        v = _gather_kv(v_cache, block_table[r], p + n).float()
+        k = k.repeat_interleave(Hq // Hkv, dim=1)  # [L, Hq, hd]
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+        rows = torch.arange(n, device=q.device)
+        words = ancestor_bits[a:b][:, rows // 32].long()
+        tree_vis = ((words >> (rows % 32)) & 1).bool()  # [n, n]
+        vis = torch.cat([torch.full((n, p), include_prefix, device=q.device), tree_vis], 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
+        s = s.masked_fill(~vis.unsqueeze(0), float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [Hq, n]
+        w = torch.exp(s - l.unsqueeze(-1))
+        out[a:b] = torch.einsum("hqk,khd->qhd", w, v).to(q.dtype)
+        lse[a:b] = l.transpose(0, 1)
+    return out, lse
+
+
+def merge_attn_states(o1, lse1, o2, lse2):
+    """Combine two attention results over disjoint key sets (log-sum-exp weighted)."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).nan_to_num(0.0).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).nan_to_num(0.0).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_attn_kernel(
+        Q, K, V, O, LSE, BT, QS, PL, ANC,
+        scale,
+        s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, s_anc,
+        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INCLUDE_PREFIX: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        mb = tl.program_id(1)
+        h = tl.program_id(2)
+        kvh = h // GROUP
+        q0 = tl.load(QS + r)
+        n_rows = tl.load(QS + r + 1) - q0
+        if mb * BLOCK_M >= n_rows:
+            return
+        prefix = tl.load(PL + r)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_ok = offs_m < n_rows
+        q = tl.load(Q + (q0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                    mask=m_ok[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        start = 0 if INCLUDE_PREFIX else prefix
+        end = prefix + n_rows
+        for k0 in range(start, end, BLOCK_N):
+            offs_n = k0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            blk = tl.load(BT + r * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+            slot = offs_n % BLOCK_SIZE
+            k = tl.load(K + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh
+                        + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(V + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh
+                        + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale
+            t = offs_n - prefix  # verify row of the key (negative in the prefix)
+            in_tree = t >= 0
+            tt = tl.where(in_tree, t, 0)
+            words = tl.load(ANC + (q0 + offs_m)[:, None] * s_anc + (tt // 32)[None, :],
+                            mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)
+            bit = (words >> (tt % 32)[None, :]) & 1
+            vis = bit != 0
+            if INCLUDE_PREFIX:
+                vis = vis | (~in_tree)[None, :]
+            vis = vis & n_ok[None, :] & m_ok[:, None]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
+        tl.store(O + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(LSE + (q0 + offs_m) * tl.num_programs(2) + h, lse, mask=m_ok)
+
+
+def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_lens,
+                          ancestor_bits, scale=None, include_prefix=True, max_rows=None,
+                          block_m=16, block_n=32):
+    """Triton kernel; same contract as :func:`tree_attention_torch`.
+
+    ``max_rows`` (the widest request's row count, e.g. ``1 + budget``) sizes the grid
+    without reading ``query_start`` on the host.
+    """
+    if triton is None:
+        raise RuntimeError("tree_attention_triton needs triton")
+    T, Hq, hd = q.shape
+    R = block_table.shape[0]
+    Hkv = k_cache.shape[2]
+    if hd not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {hd} is not supported (16..256, power of two)")
+    if max_rows is None:
+        max_rows = int((query_start[1:] - query_start[:-1]).max()) if R else 0
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
+    if R == 0 or max_rows == 0:
+        return out, lse
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    grid = (R, triton.cdiv(max_rows, block_m), Hq)
+    _tree_attn_kernel[grid](
+        q, k_cache, v_cache, out, lse, block_table, query_start, prefix_lens, ancestor_bits,
+        scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_table.stride(0), ancestor_bits.stride(0),
+        GROUP=Hq // Hkv, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
+        BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
+        IEEE=q.dtype == torch.float32 or _INTERPRET, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+    )
+    return out, lse
