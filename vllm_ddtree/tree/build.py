@@ -133,6 +133,12 @@ def _pair_table(n_parents: int, k: int, budget: int, device: str) -> tuple[torch
             torch.tensor(pr, dtype=torch.int64, device=dev))
 
 
+@lru_cache(maxsize=256)
+def _static_tensor(values: tuple[int, ...], device: str) -> torch.Tensor:
+    # Cached so that no host-to-device copy happens while a CUDA graph is captured.
+    return torch.tensor(values, dtype=torch.int64, device=torch.device(device))
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     budget: int | torch.Tensor,
@@ -207,7 +213,7 @@ def build_tree(
     gkey = _pack(all_scores, tie.expand(R, total))
     sel = _unpack_tie(torch.topk(gkey, n_out, dim=1).values)  # [R, n_out] flat positions
 
-    offs = torch.tensor(offsets[:-1], device=dev)
+    offs = _static_tensor(tuple(offsets[:-1]), str(dev))
     depth_idx = torch.searchsorted(offs, sel, right=True) - 1  # 0-based depth
     all_ranks = torch.cat(ranks, dim=1)
     all_ppos = torch.cat(parent_pos, dim=1)
