@@ -1,0 +1,86 @@
+"""Tree attention on vLLM's CPU backend (``CPU_ATTN``).
+
+The CPU kernel has no mask and returns no log-sum-exp, so after vLLM's own kernel has
+run (causally) over the whole batch, the verify rows of tree requests are recomputed
+in torch: the paged prefix (unpacked from the ISA-specific layout) plus the request's
+fresh verify rows, masked to ancestors-or-self.  The same layer also keeps the verify
+rows' K/V for the compaction that follows the walk.  Rows of other requests and every
+drafter layer are left exactly as vLLM computed them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from vllm_ddtree.cpu import active
+
+
+def unpack_blocks(buf: torch.Tensor, isa: str, is_key: bool) -> torch.Tensor:
+    """``[n, kvh, bs, hd]`` packed blocks -> ``[n * bs, kvh, hd]`` rows in slot order."""
+    n, kvh, bs, hd = buf.shape
+    if isa == "amx":
+        if is_key:
+            x = buf.reshape(n, kvh, bs // 16, hd // 2, 16, 2).permute(0, 1, 2, 4, 3, 5)
+        else:
+            x = buf.reshape(n, kvh, hd // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4)
+        x = x.reshape(n, kvh, bs, hd)
+    elif is_key:  # vec / vec16: K stored transposed per block
+        x = buf.reshape(n, kvh, hd, bs).transpose(-1, -2)
+    else:
+        x = buf.reshape(n, kvh, bs, hd)
+    return x.permute(0, 2, 1, 3).reshape(n * bs, kvh, hd)
+
+
+class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                              output_scale, output_block_scale)
+        step = active.step
+        if step is None or attn_metadata is None or layer.layer_name not in step.target_layers:
+            return out
+        self._tree_rows(layer, query, key, value, kv_cache, attn_metadata, output, step)
+        return out
+
+    def _tree_rows(self, layer, query, key, value, kv_cache, md, output, step):
+        if self.alibi_slopes is not None or self.sliding_window not in (None, -1) or \
+                self.sinks is not None or self.logits_soft_cap or self.is_fp8_kv_cache:
+            raise NotImplementedError(
+                "DDTree tree attention on CPU supports plain causal attention only "
+                "(no ALiBi, sliding window, sinks, soft-capping or fp8 KV cache)")
+        nb, kvh, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
+        nh, hd = self.num_heads, self.head_size
+        out = output.view(output.shape[0], nh, hd)
+        rows_all = []
+        for req in step.requests:
+            n = req.num_nodes + 1
+            rows = slice(req.start, req.start + n)
+            rows_all.append(torch.arange(req.start, req.start + n))
+            p = req.prefix_len
+            nblk = math.ceil(p / bs)
+            blocks = md.block_table[req.index, :nblk].long()
+            kp = unpack_blocks(key_cache[blocks], layer.isa, True)[:p]
+            vp = unpack_blocks(value_cache[blocks], layer.isa, False)[:p]
+            k = torch.cat([kp.to(key.dtype), key[rows]], 0).float()
+            v = torch.cat([vp.to(value.dtype), value[rows]], 0).float()
+            k = k.repeat_interleave(nh // kvh, dim=1).transpose(0, 1)  # [nh, L, hd]
+            v = v.repeat_interleave(nh // kvh, dim=1).transpose(0, 1)
+            mask = torch.cat([torch.ones(n, p, dtype=torch.bool), req.ancestor_mask()], 1)
+            q = query[rows].float().transpose(0, 1)  # [nh, n, hd]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale)
+            out[rows] = o.transpose(0, 1).to(out.dtype)
+        rows_all = torch.cat(rows_all)
+        step.kv_rows[layer.layer_name] = (layer, self, kv_cache, key[rows_all].clone(),
+                                          value[rows_all].clone(),
+                                          md.slot_mapping[rows_all].clone())
+
+
+class DDTreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return DDTreeCPUAttentionImpl

@@ -1,0 +1,125 @@
+"""DDTree on vLLM's V1 CPU model runner (thin adapter over ``CPUModelRunner``).
+
+Per decode step of a tree-eligible batch (see ``tree_eligible``):
+
+1. ``_prepare_inputs``: after vLLM has laid out the verify rows (linear positions and
+   KV slots), tree requests get RoPE positions ``root + depth``; the step's trees are
+   published to the attention layers (``vllm_ddtree.cpu.active``).
+2. Target forward: vLLM's CPU kernel, then tree rows recomputed with an ancestor mask
+   (``vllm_ddtree.cpu.attention``).
+3. ``_sample``: the target's greedy token at every node, the walk, the accepted tokens
+   plus the bonus in vLLM's rejection-sampler format, and KV compaction of the accepted
+   path in every target layer.
+4. ``propose`` (``DDTreeProposer``): the drafter reads the accepted path's hidden
+   states and drafts the next trees.
+
+vLLM's scheduler then rolls back ``num_computed_tokens`` and counts drafted/accepted
+tokens for its spec-decode metrics, exactly as for a chain.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_ddtree.config import is_ddtree
+from vllm_ddtree.cpu import active
+from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, tree_eligible
+from vllm_ddtree.proposer.state import VerifyRequest, VerifyStep, walk_lists
+
+
+class DDTreeCPUModelRunner(CPUModelRunner):
+    """Installed by :class:`vllm_ddtree.cpu.worker.DDTreeCPUWorker` (instance class swap
+    right after vLLM built the stock runner)."""
+
+    def ddtree_init(self) -> None:
+        assert is_ddtree(self.speculative_config)
+        self.drafter = DDTreeProposer(self.vllm_config, self.device, self)
+        self._ddtree_target_layers: frozenset[str] | None = None
+
+    # -- helpers -----------------------------------------------------------------
+    def _target_layer_names(self) -> frozenset[str]:
+        if self._ddtree_target_layers is None:
+            ctx = self.vllm_config.compilation_config.static_forward_context
+            draft = set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+            self._ddtree_target_layers = frozenset(
+                name for name, layer in ctx.items()
+                if name not in draft and hasattr(layer, "impl"))
+        return self._ddtree_target_layers
+
+    # -- step ----------------------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        ret = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        active.step = self._begin_tree_step(scheduler_output)
+        return ret
+
+    def _begin_tree_step(self, scheduler_output) -> VerifyStep | None:
+        store = self.drafter.store
+        structured = bool(getattr(scheduler_output, "has_structured_output_requests", False)
+                          or getattr(scheduler_output, "structured_output_request_ids", None))
+        self._ddtree_has_structured_output = structured
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if not spec or not tree_eligible(self.input_batch.sampling_metadata, structured):
+            return None
+        qsl = self.query_start_loc.np
+        requests = []
+        branching = False
+        for i, req_id in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
+            drafts = spec.get(req_id)
+            if not drafts:
+                continue
+            parents, depths = store.lookup(req_id, drafts)
+            branching |= parents != list(range(len(drafts)))
+            s = int(qsl[i])
+            c = int(self.positions[s])
+            self.positions[s + 1 : s + 1 + len(drafts)] = c + torch.tensor(depths)
+            requests.append(VerifyRequest(i, s, len(drafts), c, list(drafts), parents, depths))
+        if not branching:  # only chains: vLLM's own path verifies them exactly
+            return None
+        return VerifyStep(requests, self._target_layer_names())
+
+    def _sample(self, logits, spec_decode_metadata):
+        step, active.step = active.step, None
+        if step is None or spec_decode_metadata is None:
+            return super()._sample(logits, spec_decode_metadata)
+        return self._verify_tree(step, logits, spec_decode_metadata)
+
+    def _verify_tree(self, step, logits, meta) -> SamplerOutput:
+        num_reqs = self.input_batch.num_reqs
+        greedy = logits.argmax(dim=-1).tolist()
+        ends = meta.cu_num_sampled_tokens.tolist()
+        trees = {req.index: req for req in step.requests}
+        out = torch.full((num_reqs, meta.max_spec_len + 1), -1, dtype=torch.int32)
+        paths: dict[int, tuple[int, list[int]]] = {}
+        for i in range(num_reqs):
+            end = ends[i]
+            req = trees.get(i)
+            if req is None:
+                out[i, 0] = greedy[end - 1]
+                continue
+            rows = greedy[end - req.num_nodes - 1 : end]
+            path, bonus = walk_lists(req.tokens, req.parents, rows)
+            toks = [req.tokens[j - 1] for j in path[1:]] + [bonus]
+            out[i, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
+            paths[i] = (req.start, path)
+        self._compact_kv(step, paths)
+        self.drafter.store.last_paths = paths
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    def _compact_kv(self, step: VerifyStep, paths) -> None:
+        """Copy each accepted node's K/V to the slot of its depth (root slot + depth)."""
+        src, dst_row = [], []
+        offset = 0
+        for req in step.requests:
+            _, path = paths[req.index]
+            for depth, row in enumerate(path):
+                if row != depth:
+                    src.append(offset + row)
+                    dst_row.append(offset + depth)
+            offset += req.num_nodes + 1
+        if not src:
+            return
+        src_t, dst_t = torch.tensor(src), torch.tensor(dst_row)
+        for layer, impl, kv_cache, k, v, slots in step.kv_rows.values():
+            impl.do_kv_cache_update(layer, k[src_t], v[src_t], kv_cache, slots[dst_t])

@@ -1,0 +1,101 @@
+"""DDTree proposer for vLLM's V1 runner: vLLM's own DFlash drafter, then a tree.
+
+Thin adapter over ``vllm.v1.spec_decode.dflash.DFlashProposer``:
+
+* the drafter pass runs unchanged with ``D`` query slots; ``_sample_draft_tokens`` keeps
+  its per-depth logits;
+* ``propose`` builds the best-first tree of ``B`` nodes and returns its tokens in
+  topological order as the ``B`` draft tokens the scheduler sees;
+* before the drafter pass, each request's context rows are reordered so that the rows
+  of the accepted path come first, with linear positions (stock DFlash keeps the first
+  ``k + 1`` verify rows and drops the rest as rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.config import ddtree_params
+from vllm_ddtree.proposer.state import TreeStore
+from vllm_ddtree.tree import build_tree
+
+
+def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> bool:
+    """True when every request in the batch can be verified as a tree.
+
+    Trees are verified greedily here; everything that makes the target's choice at a
+    node depend on more than that node's own logits (sampling at T > 0, logprobs,
+    penalties, bad words, allowed-token masks, active logits processors, grammars) is
+    verified as a linear chain by vLLM's own rejection sampler instead.
+    """
+    sm = sampling_metadata
+    if has_structured_output or not sm.all_greedy or sm.max_num_logprobs is not None:
+        return False
+    if not sm.no_penalties or sm.bad_words_token_ids or sm.allowed_token_ids_mask is not None:
+        return False
+    for proc in sm.logitsprocs.non_argmax_invariant:
+        state = getattr(proc, "biases", None)
+        if state is None:
+            state = getattr(proc, "min_toks", None)
+        if state is None or len(state) > 0:
+            return False
+    return True
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.budget, self.depth = ddtree_params(vllm_config.speculative_config)
+        self.ddtree_runner = runner
+        self.store = TreeStore()
+        self._draft_logits: torch.Tensor | None = None
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        logits = self.model.compute_logits(hidden_states)
+        self._draft_logits = logits
+        return logits.argmax(dim=-1), None
+
+    def _linearize_context(self, target_hidden_states, target_positions, cad):
+        """Move each request's accepted rows to the front, with linear positions."""
+        paths = self.store.last_paths
+        self.store.last_paths = {}
+        if not paths:
+            return target_hidden_states, target_positions
+        qsl = cad.query_start_loc_cpu.tolist()
+        positions = target_positions.clone()
+        for index, (start, path) in paths.items():
+            s, e = qsl[index], qsl[index + 1]
+            if s != start:
+                raise RuntimeError(f"DDTree: request {index} moved from row {start} to {s}")
+            rest = [j for j in range(e - s) if j not in set(path)]
+            perm = torch.tensor(path + rest, dtype=torch.long) + s
+            target_hidden_states[s:e] = target_hidden_states[perm]
+            positions[s:e] = positions[s] + torch.arange(e - s, dtype=positions.dtype)
+        return target_hidden_states, positions
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, *args, **kwargs):
+        target_hidden_states, target_positions = self._linearize_context(
+            target_hidden_states, target_positions, common_attn_metadata)
+        depth = min(self.depth, num_speculative_tokens)
+        self._draft_logits = None
+        chain = super().propose(depth, target_token_ids, target_positions,
+                                target_hidden_states, next_token_ids, token_indices_to_sample,
+                                common_attn_metadata, sampling_metadata, *args, **kwargs)
+        self.num_speculative_tokens = num_speculative_tokens
+        runner = self.ddtree_runner
+        req_ids = list(runner.input_batch.req_ids[: chain.shape[0]])
+        structured = bool(getattr(runner, "_ddtree_has_structured_output", False))
+        if depth == 0 or self._draft_logits is None or not tree_eligible(sampling_metadata,
+                                                                          structured):
+            self.store.put_chains(req_ids)
+            return chain
+        bs = chain.shape[0]
+        logits = self._draft_logits.view(bs, depth, -1)
+        tree = build_tree(logits, min(self.budget, num_speculative_tokens))
+        self.store.put(req_ids, tree)
+        # Slots past a tree's last node (only when the vocabulary is tiny) are scheduled
+        # but never accepted: give them a real token id.
+        return tree.token_ids.clamp(min=0)
