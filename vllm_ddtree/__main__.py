@@ -1,0 +1,156 @@
+"""``vllm-ddtree doctor`` / ``python -m vllm_ddtree doctor``: can this setup run DDTree?
+
+Prints one line per check and exits 0 only when DDTree is usable: a supported
+vLLM, a discoverable and allowed plugin entry point, and ``method="ddtree"``
+accepted by vLLM's ``SpeculativeConfig`` in this process. No model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_VALUE = "vllm_ddtree:register"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None = informational
+    detail: str
+
+
+def _check_version() -> Check:
+    from vllm_ddtree import compat, envs
+
+    try:
+        version = compat.installed_vllm_version()
+    except Exception as e:  # vLLM missing or broken
+        return Check("vLLM", False, f"cannot import vllm: {e!r}")
+    supported = compat.is_supported_version(version)
+    detail = f"{version} ({'supported' if supported else 'NOT supported'}; "
+    detail += f"supported: {compat.supported_versions_text()})"
+    if not supported and envs.VLLM_DDTREE_SKIP_VERSION_CHECK:
+        detail += " -- VLLM_DDTREE_SKIP_VERSION_CHECK=1, continuing"
+        return Check("vLLM", True, detail)
+    return Check("vLLM", supported, detail)
+
+
+def _check_entry_point() -> Check:
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.value == ENTRY_POINT_VALUE]
+    if not found:
+        return Check(
+            "entry point",
+            False,
+            f"no {ENTRY_POINT_GROUP} entry point -> {ENTRY_POINT_VALUE}; vLLM will not "
+            "load the plugin. Install the package: pip install vllm-ddtree (or -e .)",
+        )
+    name = found[0].name
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and name not in allowed.split(","):
+        return Check(
+            "entry point",
+            False,
+            f"{ENTRY_POINT_GROUP}:{name} found but VLLM_PLUGINS={allowed!r} excludes it; "
+            f"add {name!r} to VLLM_PLUGINS",
+        )
+    return Check("entry point", True, f"{ENTRY_POINT_GROUP}:{name} -> {ENTRY_POINT_VALUE}")
+
+
+def _check_method() -> Check:
+    from vllm_ddtree import envs, register
+
+    name, accepted = "method 'ddtree'", "accepted by SpeculativeConfig (validation hook live)"
+    if envs.VLLM_DDTREE_DISABLE:
+        return Check(name, False, "VLLM_DDTREE_DISABLE=1 disables the plugin")
+    try:
+        register()
+        from vllm.config.speculative import SpeculativeConfig
+
+        from vllm_ddtree.config import DDTreeConfigError
+
+        # Passes pydantic's method Literal, then stops in our validation
+        # (no drafter given) -- proves both the schema and the hook are live.
+        SpeculativeConfig(method="ddtree", num_speculative_tokens=1)
+    except DDTreeConfigError:
+        return Check(name, True, accepted)
+    except ValueError as e:  # pydantic wraps errors raised in __post_init__
+        if "speculative_config.model is missing" in str(e):
+            return Check(name, True, accepted)
+        return Check(name, False, "rejected: " + " / ".join(str(e).splitlines()[:3]))
+    except Exception as e:
+        return Check(name, False, f"register() failed: {e!r}")
+    return Check(name, False, "SpeculativeConfig accepted it without DDTree validation")
+
+
+def _check_runner() -> Check:
+    from vllm_ddtree import compat
+
+    try:
+        return Check("runner", None, compat.runner_path())
+    except Exception as e:
+        return Check("runner", None, f"unknown ({e!r})")
+
+
+def _check_accelerator() -> Check:
+    from vllm_ddtree import compat
+
+    try:
+        import torch
+    except Exception as e:
+        return Check("accelerator", None, f"torch unavailable: {e!r}")
+    triton = "Triton available" if compat.has_triton() else "no Triton"
+    if not torch.cuda.is_available():
+        return Check("accelerator", None, f"no CUDA GPU (torch {torch.__version__}); {triton}")
+    idx = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(idx)
+    name = torch.cuda.get_device_name(idx)
+    return Check(
+        "accelerator",
+        None,
+        f"{torch.cuda.device_count()} GPU(s), {name}, compute capability {major}.{minor}; {triton}",
+    )
+
+
+CHECKS: tuple[Callable[[], Check], ...] = (
+    _check_version,
+    _check_entry_point,
+    _check_method,
+    _check_runner,
+    _check_accelerator,
+)
+
+
+def doctor() -> int:
+    """Run the checks, print them, return the exit code."""
+    from vllm_ddtree import __version__
+
+    print(f"vllm-ddtree {__version__} doctor")
+    results = [check() for check in CHECKS]
+    for r in results:
+        mark = "info" if r.ok is None else ("ok" if r.ok else "FAIL")
+        print(f"  [{mark:>4}] {r.name}: {r.detail}")
+    usable = all(r.ok is not False for r in results)
+    print("DDTree is usable." if usable else "DDTree is NOT usable (see FAIL lines).")
+    return 0 if usable else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-ddtree", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="check that DDTree can run with the installed vLLM")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

