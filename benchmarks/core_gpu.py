@@ -78,27 +78,31 @@ def time_core(dtype):
         root = torch.arange(R, device="cuda") * 100
         for B in (16, 64, 256, 1024):
             tgt = torch.randint(0, V, (R, B + 1), device="cuda")
+            res = []
+            for impl in ("torch", "auto"):
+                def step():
+                    tree = build_tree(logits, B, impl=impl)
+                    acc, num, bonus = walk_tree(tree, tgt)
+                    lay = tree_layout(tree, root)
+                    return tree, acc, lay
 
-            def step():
-                tree = build_tree(logits, B)
-                acc, num, bonus = walk_tree(tree, tgt)
-                lay = tree_layout(tree, root)
-                return tree, acc, lay
-
-            eager = _time(step)
-            # One CUDA graph for the whole step (as inside vLLM's captured decode step).
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            graphed = _time(graph.replay)
-            rows.append((str(dtype).replace("torch.", ""), R, B, eager, graphed,
-                         100 * graphed / STEP_MS_8B))
-            del graph
+                eager = _time(step)
+                # The whole step as one CUDA graph (as inside vLLM's captured decode step).
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    step()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                res += [eager, _time(graph.replay)]
+                del graph
+            # candidates only (log-softmax + per-depth top-k): the part left outside Triton
+            from vllm_ddtree.tree.build import depth_candidates
+            cand = _time(lambda: depth_candidates(logits, min(B, V)))
+            rows.append((str(dtype).replace("torch.", ""), R, B, *res, cand,
+                         100 * min(res[1], res[3]) / STEP_MS_8B))
     return rows
 
 
@@ -148,10 +152,11 @@ def main():
     for r in exact:
         print("| " + " | ".join(str(x) for x in r) + " |")
     print("\n## build + walk + layout per step (median ms, CUDA events), D=15, V=151936")
-    print("| logits dtype | R | budget | eager ms | CUDA graph ms | graph % of 5.3 ms step |")
-    print("|---|---|---|---|---|---|")
-    for d, R, B, e, gr, pct in timing:
-        print(f"| {d} | {R} | {B} | {e:.3f} | {gr:.3f} | {pct:.1f}% |")
+    print("| logits dtype | R | budget | torch eager | torch graph | auto eager | auto graph "
+          "| candidates only | best graph / 5.3 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, R, B, e1, g1, e2, g2, c, pct in timing:
+        print(f"| {d} | {R} | {B} | {e1:.3f} | {g1:.3f} | {e2:.3f} | {g2:.3f} | {c:.3f} | {pct:.1f}% |")
     print("\n## tree attention: Triton vs torch reference (R=8, 32/8 heads, B=64, prefix 512-1024)")
     print("| dtype | head_dim | max abs err out | max abs err lse | Triton ms | torch ms |")
     print("|---|---|---|---|---|---|")

@@ -124,3 +124,28 @@ def test_expected_accepted_is_path_probability_sum():
     x = torch.randn(1, 3, 5)
     tree = build_tree(x, 500)  # the whole tree: sum over all prefixes = D
     assert math.isclose(float(tree.expected_accepted()[0]), 3.0, rel_tol=1e-5)
+
+
+_ON_GPU = torch.cuda.is_available()
+# The Triton interpreter runs tl.sort slowly: small shapes on CPU, the full set on a GPU.
+_TRITON_CASES = ([(3, 1, 7, 5), (2, 4, 2, 20), (4, 15, 64, 60), (2, 6, 300, 128),
+                  (5, 15, 1000, 16), (64, 15, 4096, 64)] if _ON_GPU
+                 else [(3, 1, 7, 5), (2, 4, 2, 12), (3, 5, 40, 16)])
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
+                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("kind", ["normal", "ties", "flat", "peaked"])
+@pytest.mark.parametrize("R,D,V,budget", _TRITON_CASES)
+def test_triton_build_matches_torch(kind, R, D, V, budget):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(R + D + V + budget)
+    x = _logits(gen, R, D, V, kind)
+    ref = build_tree(x, budget, impl="torch")
+    per_req = torch.tensor([budget - (r % 3) for r in range(R)])
+    ref_pr = build_tree(x, per_req, max_budget=budget, impl="torch")
+    for want, b in ((ref, budget), (ref_pr, per_req)):
+        got = build_tree(x.to(dev), b if isinstance(b, int) else b.to(dev), max_budget=budget,
+                         impl="triton")
+        for f in ("token_ids", "parents", "depths", "num_nodes", "scores"):
+            assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f

@@ -133,6 +133,14 @@ def _pair_table(n_parents: int, k: int, budget: int, device: str) -> tuple[torch
             torch.tensor(pr, dtype=torch.int64, device=dev))
 
 
+def _depth_sizes(D: int, K: int, width: int) -> list[int]:
+    """Size of each depth's top-``width`` set."""
+    sizes = [K]
+    for _ in range(1, D):
+        sizes.append(min(width, sum(min(K, width // (i + 1)) for i in range(sizes[-1]))))
+    return sizes
+
+
 @lru_cache(maxsize=256)
 def _static_tensor(values: tuple[int, ...], device: str) -> torch.Tensor:
     # Cached so that no host-to-device copy happens while a CUDA graph is captured.
@@ -143,6 +151,7 @@ def build_tree(
     draft_logits: torch.Tensor,
     budget: int | torch.Tensor,
     max_budget: int | None = None,
+    impl: str = "auto",
 ) -> DraftTree:
     """Build the best-first DDTree for every request.
 
@@ -152,6 +161,9 @@ def build_tree(
             per-request budgets, each ``<= max_budget``.
         max_budget: allocated width ``Bmax``.  Defaults to ``budget`` when it is an int;
             required for tensor budgets (reading their max would sync the device).
+        impl: ``"torch"`` (any device), ``"triton"`` (one kernel launch for the whole
+            expansion; widths up to a few hundred) or ``"auto"`` (Triton on CUDA when
+            the width fits, else torch).  Both give identical trees.
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
@@ -183,6 +195,22 @@ def build_tree(
 
     K = min(width, V)
     lp, tok = depth_candidates(draft_logits, K)  # [R, D, K]
+
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"build_tree: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl != "torch":
+        from vllm_ddtree.kernels.tree_build import tree_build_triton, triton_build_supported
+
+        ok = triton_build_supported(D, K, width)
+        if impl == "triton" or (ok and draft_logits.is_cuda):
+            if not ok:
+                raise ValueError(f"build_tree: impl='triton' does not support D={D}, "
+                                 f"K={K}, width={width}")
+            total = sum(_depth_sizes(D, K, width))
+            empty.num_nodes = per_req.clamp(max=min(width, total))
+            (empty.token_ids, empty.parents, empty.depths,
+             empty.scores) = tree_build_triton(lp, tok, width, empty.num_nodes)
+            return empty
 
     # Per-depth top-`width` sets, each sorted by key (best first).
     scores = [lp[:, 0, :]]  # depth 1: ranks 0..K-1 are already in key order

@@ -48,11 +48,12 @@ def tree_layout(tree: DraftTree, root_positions: torch.Tensor) -> TreeLayout:
     rows = torch.arange(n, device=dev)
     onehot = torch.zeros((R, n, words), dtype=torch.int64, device=dev)
     onehot[:, rows, rows // 32] = (1 << (rows % 32)).expand(R, n)
-    bits = onehot.clone()
-    par = parents.clamp(min=0).unsqueeze(-1).expand(R, n, words)
-    has_parent = (parents >= 0).unsqueeze(-1)
-    for _ in range(tree.max_depth):  # one more generation of ancestors per round
-        bits = onehot | torch.where(has_parent, torch.gather(bits, 1, par), 0)
+    # ancestor-or-self bits by pointer doubling: log2(D) rounds of "or my jump's bits"
+    bits = onehot
+    jump = torch.where(parents >= 0, parents, rows.expand(R, n))
+    for _ in range(max(1, tree.max_depth.bit_length())):
+        bits = bits | torch.gather(bits, 1, jump.unsqueeze(-1).expand(R, n, words))
+        jump = torch.gather(jump, 1, jump)
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
     return TreeLayout(positions, depths, parents, bits, tree.num_nodes + 1)
 

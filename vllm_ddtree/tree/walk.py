@@ -35,10 +35,15 @@ def walk_tree(
         par = tree.parents.clamp(min=0)
         # A node matches when its token is what the target chose at its parent.
         ok = live & (tree.token_ids == torch.gather(target, 1, par))
-        on_path = ok & (par == 0)
+        # on_path[j] = ok[j] and on_path[parent[j]], by pointer doubling over the
+        # root-extended arrays: log2(D) rounds instead of D.
         ones = torch.ones((R, 1), dtype=torch.bool, device=dev)
-        for _ in range(D - 1):  # each round extends the accepted path by one depth
-            on_path = ok & torch.gather(torch.cat([ones, on_path], dim=1), 1, par)
+        acc_ok = torch.cat([ones, ok], dim=1)
+        jump = torch.cat([torch.zeros((R, 1), dtype=torch.long, device=dev), par], dim=1)
+        for _ in range(max(1, D.bit_length())):
+            acc_ok = acc_ok & torch.gather(acc_ok, 1, jump)
+            jump = torch.gather(jump, 1, jump)
+        on_path = acc_ok[:, 1:]
         col = torch.where(on_path, tree.depths, torch.full_like(tree.depths, D + 1))
         node = torch.arange(1, W + 1, device=dev).expand(R, W)
         acc.scatter_(1, col, torch.where(on_path, node, -1))

@@ -1,0 +1,163 @@
+"""Triton kernel for the tree build: one program per request does every depth.
+
+Same algorithm and same packed keys as :mod:`vllm_ddtree.tree.build` (the torch
+reference it is tested against): per depth, the ``~B ln B`` candidate (parent, rank)
+pairs are scored, packed into int64 keys and sorted in registers (``tl.sort``); the
+global top-``B`` is one more sort over the ``D`` per-depth sets.  Replaces a few hundred
+small torch kernels with one launch.  Used for widths whose sorts fit one program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+MAX_SORT = 4096  # largest in-register sort per program
+
+_LOW32 = (1 << 32) - 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pack(score, tie):
+        s = score + 0.0
+        bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return (bits << 32) | (4294967295 - tie)
+
+    @triton.jit
+    def _score(key):
+        bits = key >> 32
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tree_build_kernel(
+        LP, TOK, PI, PR, NP, KEYS, MAP, BUDGET,
+        OUT_TOK, OUT_PAR, OUT_DEP, OUT_SCORE,
+        D: tl.constexpr, K: tl.constexpr, W: tl.constexpr, P2: tl.constexpr,
+        S: tl.constexpr, PB: tl.constexpr, DB: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        lp = LP + r * D * K
+        keys = KEYS + r * D * S
+        # depth 1: ranks 0..K-1 are already in key order
+        o = tl.arange(0, S)
+        n1 = tl.minimum(W, K)
+        v = tl.load(lp + o, mask=o < n1, other=0.0)
+        k1 = tl.where(o < n1, _pack(v, o.to(tl.int64)), -9223372036854775807 - 1)
+        tl.store(keys + o, k1)
+        tl.debug_barrier()
+        po = tl.arange(0, P2)
+        for d in range(1, D):
+            npair = tl.load(NP + d)
+            ok = po < npair
+            pi = tl.load(PI + po, mask=ok, other=0)
+            pr = tl.load(PR + po, mask=ok, other=0)
+            pkey = tl.load(keys + (d - 1) * S + pi, mask=ok, other=0)
+            val = tl.load(lp + d * K + pr, mask=ok, other=0.0)
+            cand = _score(pkey) + val
+            key = _pack(cand, pi.to(tl.int64) * K + pr)
+            key = tl.where(ok, key, -9223372036854775807 - 1)
+            key = tl.sort(key, descending=True)
+            tl.store(keys + d * S + po, key, mask=po < S)
+            tl.debug_barrier()
+        # global top-W over the per-depth sets (first PB entries of each depth)
+        g = tl.arange(0, DB)
+        gd = g // PB
+        gp = g % PB
+        gok = (gd < D) & (gp < W) & ((gd == 0) | (gp < P2))
+        gk = tl.load(keys + gd * S + gp, mask=gok, other=-9223372036854775807 - 1)
+        live = gok & (gk != -9223372036854775807 - 1)
+        gk = (gk & -4294967296) | (4294967295 - (gd * PB + gp).to(tl.int64))
+        gk = tl.where(live, gk, -9223372036854775807 - 1)
+        gk = tl.sort(gk, descending=True)
+        code = 4294967295 - (gk & 4294967295)
+        sel = g < W
+        valid = sel & (gk != -9223372036854775807 - 1)
+        nd = tl.where(valid, code // PB, 0)
+        npos = tl.where(valid, code % PB, 0)
+        nkey = tl.load(keys + nd * S + npos, mask=valid, other=0)
+        tie = 4294967295 - (nkey & 4294967295)
+        ppos = tie // K
+        rank = tie % K
+        tl.store(MAP + r * D * PB + nd * PB + npos, g, mask=valid)
+        tl.debug_barrier()
+        pnode = tl.load(MAP + r * D * PB + (nd - 1) * PB + ppos, mask=valid & (nd > 0), other=-1)
+        parent = tl.where(nd > 0, pnode + 1, 0)
+        token = tl.load(TOK + r * D * K + nd * K + rank, mask=valid, other=-1)
+        budget = tl.load(BUDGET + r)
+        keep = valid & (g < budget)
+        out = r * W + g
+        tl.store(OUT_TOK + out, tl.where(keep, token, -1), mask=sel)
+        tl.store(OUT_PAR + out, tl.where(keep, parent, -1), mask=sel)
+        tl.store(OUT_DEP + out, tl.where(keep, nd + 1, 0), mask=sel)
+        tl.store(OUT_SCORE + out, tl.where(keep, _score(nkey), float("-inf")), mask=sel)
+
+
+_tables: dict = {}
+
+
+def _pair_tables(D: int, K: int, W: int, device) -> tuple:
+    key = (D, K, W, str(device))
+    if key not in _tables:
+        pi, pr, npairs = [], [], [0]
+        size = min(W, K)
+        for i in range(W):
+            rmax = min(K, W // (i + 1))
+            pi.extend([i] * rmax)
+            pr.extend(range(rmax))
+        # pairs are sorted by parent position, so depth d uses the prefix i < size(d-1)
+        import bisect
+
+        for _ in range(1, D):
+            npairs.append(bisect.bisect_left(pi, size))
+            size = min(W, npairs[-1])
+        p2 = _pow2(max(1, max(npairs)))
+        t = lambda x: torch.tensor(x or [0], dtype=torch.int32, device=device)  # noqa: E731
+        _tables[key] = (t(pi), t(pr), t(npairs), p2)
+    return _tables[key]
+
+
+def triton_build_supported(D: int, K: int, W: int) -> bool:
+    if triton is None or W == 0:
+        return False
+    p2 = _pow2(sum(min(K, W // (i + 1)) for i in range(W)))
+    return p2 <= MAX_SORT and _pow2(W) * _pow2(D) <= MAX_SORT
+
+
+def tree_build_triton(lp: torch.Tensor, tok: torch.Tensor, width: int,
+                      per_req: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``lp``/``tok``: ``[R, D, K]`` per-depth candidates (see ``depth_candidates``).
+    Returns ``(token_ids, parents, depths, scores)``, each ``[R, width]``."""
+    R, D, K = lp.shape
+    dev = lp.device
+    pi, pr, npairs, p2 = _pair_tables(D, K, width, dev)
+    pb = _pow2(width)
+    s = max(p2, pb)
+    db = _pow2(D) * pb
+    keys = torch.empty((R, D, s), dtype=torch.int64, device=dev)
+    mp = torch.empty((R, D, pb), dtype=torch.int64, device=dev)
+    out_tok = torch.empty((R, width), dtype=torch.int64, device=dev)
+    out_par = torch.empty_like(out_tok)
+    out_dep = torch.empty_like(out_tok)
+    out_score = torch.empty((R, width), dtype=torch.float32, device=dev)
+    _tree_build_kernel[(R,)](
+        lp.contiguous(), tok.contiguous(), pi, pr, npairs, keys, mp, per_req,
+        out_tok, out_par, out_dep, out_score,
+        D=D, K=K, W=width, P2=p2, S=s, PB=pb, DB=db,
+        num_warps=8 if db >= 2048 else 4,
+    )
+    return out_tok, out_par, out_dep, out_score
