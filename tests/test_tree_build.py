@@ -140,12 +140,11 @@ _TRITON_CASES = ([(3, 1, 7, 5), (2, 4, 2, 20), (4, 15, 64, 60), (2, 6, 300, 128)
 def test_triton_build_matches_torch(kind, R, D, V, budget):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(R + D + V + budget)
-    x = _logits(gen, R, D, V, kind)
+    x = _logits(gen, R, D, V, kind).to(dev)  # same device: identical log-softmax values
     ref = build_tree(x, budget, impl="torch")
-    per_req = torch.tensor([budget - (r % 3) for r in range(R)])
+    per_req = torch.tensor([budget - (r % 3) for r in range(R)], device=dev)
     ref_pr = build_tree(x, per_req, max_budget=budget, impl="torch")
     for want, b in ((ref, budget), (ref_pr, per_req)):
-        got = build_tree(x.to(dev), b if isinstance(b, int) else b.to(dev), max_budget=budget,
-                         impl="triton")
+        got = build_tree(x, b, max_budget=budget, impl="triton")
         for f in ("token_ids", "parents", "depths", "num_nodes", "scores"):
-            assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
