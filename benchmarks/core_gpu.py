@@ -51,7 +51,11 @@ def check_exact():
             w_cpu = walk_tree(cpu, tgt)
             w_gpu = walk_tree(gpu, tgt.cuda())
             ok_w = all(torch.equal(a, b.cpu()) for a, b in zip(w_cpu, w_gpu))
-            rows.append((kind, R, D, V, B, ok, ok_w))
+            from vllm_ddtree.tree.build import depth_candidates
+            lp_c, tok_c = depth_candidates(x_bf, min(B, V))
+            lp_g, tok_g = depth_candidates(x_bf.cuda(), min(B, V))
+            ok_c = torch.equal(tok_c, tok_g.cpu()) and torch.allclose(lp_c, lp_g.cpu(), atol=1e-5)
+            rows.append((kind, R, D, V, B, ok_c, ok, ok_w))
     return rows
 
 
@@ -148,7 +152,7 @@ def main():
         json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing,
                        attention=attn), f, indent=1)
     print("\n## exactness: CUDA vs CPU (CPU = heap-verified)")
-    print("| logits | R | D | V | budget | build equal | walk equal |\n|---|---|---|---|---|---|---|")
+    print("| logits | R | D | V | budget | candidates equal | build equal | walk equal |\n|---|---|---|---|---|---|---|---|")
     for r in exact:
         print("| " + " | ".join(str(x) for x in r) + " |")
     print("\n## build + walk + layout per step (median ms, CUDA events), D=15, V=151936")

@@ -85,3 +85,26 @@ def test_triton_matches_reference(dtype, tol, hd, Hq, Hkv, include_prefix):
     ref, ref_lse = tree_attention_torch(**args, include_prefix=include_prefix)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logsumexp_sanitize_kernel(dtype):
+    from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
+    from vllm_ddtree.tree.build import sanitized_logits
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 5000, generator=g) * 4).to(dtype)
+    x[1, 7] = float("nan")
+    x[2, :] = float("nan")
+    x[3, 11] = float("inf")
+    x[4, :] = float("-inf")
+    x = x.to(dev)
+    ref = torch.logsumexp(sanitized_logits(x), dim=-1)
+    got = logsumexp_sanitize(x.clone())
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+    y = x.clone()
+    logsumexp_sanitize(y, sanitize_inplace=True)
+    assert not torch.isnan(y).any() and not torch.isposinf(y).any()
+    assert torch.equal(y[0], x[0])  # clean rows untouched

@@ -27,7 +27,7 @@ every device and every tensor-parallel rank.  There is a Python loop over depths
 no loop over requests or nodes, and no device-to-host copy.
 
 Token ranks at each depth order tokens by sanitized logit (descending), ties by lower
-token id.  Sanitizing: NaN counts as -inf, +inf as the largest finite float32.
+token id.  Sanitizing: NaN counts as -inf, +inf as the input dtype's largest finite value.
 """
 
 from __future__ import annotations
@@ -68,34 +68,74 @@ class DraftTree:
 
 
 def sanitized_logits(draft_logits: torch.Tensor) -> torch.Tensor:
-    """float32 copy with NaN -> -inf and +inf -> float32 max."""
+    """float32 copy with NaN -> -inf and +inf -> the input dtype's largest finite value."""
     x = draft_logits.float()
-    big = torch.finfo(torch.float32).max
+    dt = draft_logits.dtype if draft_logits.dtype.is_floating_point else torch.float32
+    big = min(torch.finfo(dt).max, torch.finfo(torch.float32).max)
     return torch.nan_to_num(x, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
-def depth_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_candidates(draft_logits: torch.Tensor, k: int,
+                     inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per depth, the ``k`` best tokens and their log-probabilities.
 
     Returns ``(logprobs [R, D, k] float32, token_ids [R, D, k] int64)``, ranked by logit
-    descending, ties by lower token id.
+    descending, ties by lower token id.  With ``inplace`` (CUDA) NaN/inf entries of
+    ``draft_logits`` may be overwritten by their sanitized values.
     """
+    if draft_logits.is_cuda and _has_triton():
+        return _depth_candidates_cuda(draft_logits, k, inplace)
     x = sanitized_logits(draft_logits)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    if x.is_cuda:
-        # CUDA topk fills ties at the k-th value in index order; re-sort the selection
-        # by (value desc, id asc) since topk's own order among equal values is unspecified.
-        vals, idx = torch.topk(x, k, dim=-1, sorted=False)
-        idx, perm = torch.sort(idx, dim=-1)
-        vals = torch.gather(vals, -1, perm)
-        vals, perm = torch.sort(vals, dim=-1, descending=True, stable=True)
-        idx = torch.gather(idx, -1, perm)
-    else:
-        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-        vals, idx = vals[..., :k], idx[..., :k]
-    lp = vals - lse
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    lp = vals[..., :k] - lse
     lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
-    return lp, idx
+    return lp, idx[..., :k]
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the last dim, ties at the k-th value resolved to the lowest indices
+    (CUDA's radix-select top-k gathers equal values in index order), returned in index
+    order.  Large rows go through per-chunk top-k first (same result, fewer passes)."""
+    rows, V = x.shape
+    for c in (64, 32, 16):
+        if V % c == 0 and V // c >= 4 * k:
+            n = V // c
+            v1, i1 = torch.topk(x.view(rows * c, n), k, dim=-1, sorted=False)
+            i1, perm = torch.sort(i1, dim=-1)  # index order inside each chunk
+            v1 = torch.gather(v1, -1, perm)
+            i1 = i1 + (torch.arange(c, device=x.device) * n).repeat(rows).unsqueeze(1)
+            v1, i1 = v1.view(rows, c * k), i1.view(rows, c * k)  # chunk-major = index order
+            v2, j = torch.topk(v1, k, dim=-1, sorted=False)
+            j, _ = torch.sort(j, dim=-1)
+            return torch.gather(v1, -1, j), torch.gather(i1, -1, j)
+    vals, idx = torch.topk(x, k, dim=-1, sorted=False)
+    idx, perm = torch.sort(idx, dim=-1)
+    return torch.gather(vals, -1, perm), idx
+
+
+def _depth_candidates_cuda(draft_logits, k, inplace):
+    from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
+
+    R, D, V = draft_logits.shape
+    x = draft_logits.reshape(R * D, V)
+    if not inplace or not x.is_contiguous():
+        x = x.clone()
+    lse = logsumexp_sanitize(x, sanitize_inplace=True)
+    vals, idx = _topk_lowest_index(x, k)  # native dtype, index order
+    vals, perm = torch.sort(vals.float(), dim=-1, descending=True, stable=True)
+    idx = torch.gather(idx, -1, perm)
+    lp = vals - lse.unsqueeze(1)
+    lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
+    return lp.view(R, D, k), idx.view(R, D, k)
 
 
 def _orderable(x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +192,7 @@ def build_tree(
     budget: int | torch.Tensor,
     max_budget: int | None = None,
     impl: str = "auto",
+    inplace: bool = False,
 ) -> DraftTree:
     """Build the best-first DDTree for every request.
 
@@ -164,6 +205,8 @@ def build_tree(
         impl: ``"torch"`` (any device), ``"triton"`` (one kernel launch for the whole
             expansion; widths up to a few hundred) or ``"auto"`` (Triton on CUDA when
             the width fits, else torch).  Both give identical trees.
+        inplace: allow overwriting NaN/inf entries of ``draft_logits`` (saves a copy
+            on CUDA; the vLLM runners own their draft-logit buffers).
     """
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
@@ -194,7 +237,7 @@ def build_tree(
         return empty
 
     K = min(width, V)
-    lp, tok = depth_candidates(draft_logits, K)  # [R, D, K]
+    lp, tok = depth_candidates(draft_logits, K, inplace)  # [R, D, K]
 
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"build_tree: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
