@@ -102,21 +102,9 @@ def _has_triton() -> bool:
 
 
 def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the last dim, ties at the k-th value resolved to the lowest indices
-    (CUDA's radix-select top-k gathers equal values in index order), returned in index
-    order.  Large rows go through per-chunk top-k first (same result, fewer passes)."""
-    rows, V = x.shape
-    for c in (64, 32, 16):
-        if V % c == 0 and V // c >= 4 * k:
-            n = V // c
-            v1, i1 = torch.topk(x.view(rows * c, n), k, dim=-1, sorted=False)
-            i1, perm = torch.sort(i1, dim=-1)  # index order inside each chunk
-            v1 = torch.gather(v1, -1, perm)
-            i1 = i1 + (torch.arange(c, device=x.device) * n).repeat(rows).unsqueeze(1)
-            v1, i1 = v1.view(rows, c * k), i1.view(rows, c * k)  # chunk-major = index order
-            v2, j = torch.topk(v1, k, dim=-1, sorted=False)
-            j, _ = torch.sort(j, dim=-1)
-            return torch.gather(v1, -1, j), torch.gather(i1, -1, j)
+    """Top-k of the last dim in index order; ties at the k-th value resolve to the lowest
+    indices (CUDA's radix-select top-k gathers equal values in index order).  A
+    chunked two-stage variant was measured slower on H200 (docs/benchmarks/core-gpu.md)."""
     vals, idx = torch.topk(x, k, dim=-1, sorted=False)
     idx, perm = torch.sort(idx, dim=-1)
     return torch.gather(vals, -1, perm), idx
