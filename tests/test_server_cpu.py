@@ -56,10 +56,18 @@ EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 
 # ------------------------------------------------------------------ servers ----------
+_PORTS: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and was not handed out before."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
 
 
 def _tail(path: Path, n: int = 60) -> str:
@@ -90,7 +98,8 @@ class Server:
                                          start_new_session=True)  # own process group
 
     def tail(self, n: int = 60) -> str:
-        return f"----- {self.name} server log tail ({self.log_path}) -----\n{_tail(self.log_path, n)}"
+        head = f"----- {self.name} server log tail ({self.log_path}) -----"
+        return f"{head}\n{_tail(self.log_path, n)}"
 
     def healthy(self) -> bool:
         try:
@@ -122,7 +131,11 @@ class Server:
             os.killpg(pgid, signal.SIGKILL)  # stragglers (engine core, workers)
         except ProcessLookupError:
             pass
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            print(f"{self.name} server (pid {pgid}) did not exit after SIGKILL",
+                  file=sys.__stderr__)
 
 
 def _wait_all_healthy(servers: list[Server]) -> None:

@@ -58,6 +58,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         rows_all = []
         for req in step.requests:
             n = req.num_nodes + 1
+            if req.is_chain:  # vLLM's causal kernel already computed these rows
+                rows_all.append(torch.arange(req.start, req.start + n))
+                continue
             rows = slice(req.start, req.start + n)
             rows_all.append(torch.arange(req.start, req.start + n))
             p = req.prefix_len
@@ -74,6 +77,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale)
             out[rows] = o.transpose(0, 1).to(out.dtype)
+        if not rows_all:
+            return
         rows_all = torch.cat(rows_all)
         step.kv_rows[layer.layer_name] = (layer, self, kv_cache, key[rows_all].clone(),
                                           value[rows_all].clone(),

@@ -7,9 +7,9 @@ Per decode step of a tree-eligible batch (see ``tree_eligible``):
    published to the attention layers (``vllm_ddtree.cpu.active``).
 2. Target forward: vLLM's CPU kernel, then tree rows recomputed with an ancestor mask
    (``vllm_ddtree.cpu.attention``).
-3. ``_sample``: the target's greedy token at every node, the walk, the accepted tokens
-   plus the bonus in vLLM's rejection-sampler format, and KV compaction of the accepted
-   path in every target layer.
+3. ``_sample``: the target's own token at every node (argmax, or drawn per node at
+   T > 0), the walk, the accepted tokens plus the bonus in vLLM's rejection-sampler
+   format, and KV compaction of the accepted path in every target layer.
 4. ``propose`` (``DDTreeProposer``): the drafter reads the accepted path's hidden
    states and drafts the next trees.
 
@@ -25,8 +25,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.config import is_ddtree
 from vllm_ddtree.cpu import active
-from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, tree_eligible
+from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, min_p_of, tree_eligible
 from vllm_ddtree.proposer.state import VerifyRequest, VerifyStep, walk_lists
+from vllm_ddtree.tree.sampling import sample_rows
 
 
 class DDTreeCPUModelRunner(CPUModelRunner):
@@ -56,28 +57,34 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def _begin_tree_step(self, scheduler_output) -> VerifyStep | None:
         store = self.drafter.store
-        structured = bool(getattr(scheduler_output, "has_structured_output_requests", False)
-                          or getattr(scheduler_output, "structured_output_request_ids", None))
-        self._ddtree_has_structured_output = structured
+        structured = self._has_structured_output()
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if not spec or not tree_eligible(self.input_batch.sampling_metadata, structured):
+        if not tree_eligible(self.input_batch.sampling_metadata, structured):
             return None
         qsl = self.query_start_loc.np
         requests = []
-        branching = False
         for i, req_id in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
-            drafts = spec.get(req_id)
+            drafts = spec.get(req_id) if spec else None
             if not drafts:
                 continue
             parents, depths = store.lookup(req_id, drafts)
-            branching |= parents != list(range(len(drafts)))
             s = int(qsl[i])
             c = int(self.positions[s])
             self.positions[s + 1 : s + 1 + len(drafts)] = c + torch.tensor(depths)
             requests.append(VerifyRequest(i, s, len(drafts), c, list(drafts), parents, depths))
-        if not branching:  # only chains: vLLM's own path verifies them exactly
-            return None
+        # Chains and draft-less requests go through the same verifier (exact for any
+        # tree); only branching requests need the tree rows in attention.
         return VerifyStep(requests, self._target_layer_names())
+
+    def _has_structured_output(self) -> bool:
+        """Any request in the batch constrained by a grammar (checked per request: the
+        scheduler's own flag is only set under async scheduling)."""
+        for req_id in self.input_batch.req_ids[: self.input_batch.num_reqs]:
+            state = self.requests.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            if params is not None and getattr(params, "structured_outputs", None) is not None:
+                return True
+        return False
 
     def _sample(self, logits, spec_decode_metadata):
         step, active.step = active.step, None
@@ -87,8 +94,8 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def _verify_tree(self, step, logits, meta) -> SamplerOutput:
         num_reqs = self.input_batch.num_reqs
-        greedy = logits.argmax(dim=-1).tolist()
         ends = meta.cu_num_sampled_tokens.tolist()
+        targets = self._node_tokens(logits, ends, num_reqs).tolist()
         trees = {req.index: req for req in step.requests}
         out = torch.full((num_reqs, meta.max_spec_len + 1), -1, dtype=torch.int32)
         paths: dict[int, tuple[int, list[int]]] = {}
@@ -96,9 +103,9 @@ class DDTreeCPUModelRunner(CPUModelRunner):
             end = ends[i]
             req = trees.get(i)
             if req is None:
-                out[i, 0] = greedy[end - 1]
+                out[i, 0] = targets[end - 1]
                 continue
-            rows = greedy[end - req.num_nodes - 1 : end]
+            rows = targets[end - req.num_nodes - 1 : end]
             path, bonus = walk_lists(req.tokens, req.parents, rows)
             toks = [req.tokens[j - 1] for j in path[1:]] + [bonus]
             out[i, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
@@ -106,6 +113,25 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         self._compact_kv(step, paths)
         self.drafter.store.last_paths = paths
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    def _node_tokens(self, logits, ends, num_reqs) -> torch.Tensor:
+        """The target's own token at every verify row, drawn with its request's
+        sampling parameters (argmax for greedy requests)."""
+        sm = self.input_batch.sampling_metadata
+        if sm.all_greedy:
+            return logits.argmax(dim=-1)
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        counts = torch.tensor(ends) - torch.tensor([0] + ends[:-1])
+        rows_of = lambda t: None if t is None else t[:num_reqs].repeat_interleave(counts)  # noqa: E731
+        min_p = min_p_of(sm, num_reqs)
+        gens = {}
+        for i, gen in sm.generators.items():  # a request's seeded generator, row by row
+            for row in range(ends[i] - int(counts[i]), ends[i]):
+                gens[row] = gen
+        return sample_rows(logits.float(), rows_of(sm.temperature), rows_of(sm.top_k),
+                           rows_of(sm.top_p), rows_of(min_p), gens,
+                           top_k_top_p=lambda x, k, p: apply_top_k_top_p(x.clone(), k, p))
 
     def _compact_kv(self, step: VerifyStep, paths) -> None:
         """Copy each accepted node's K/V to the slot of its depth (root slot + depth)."""

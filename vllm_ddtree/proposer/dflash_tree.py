@@ -24,23 +24,34 @@ from vllm_ddtree.tree import build_tree
 def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> bool:
     """True when every request in the batch can be verified as a tree.
 
-    Trees are verified greedily here; everything that makes the target's choice at a
-    node depend on more than that node's own logits (sampling at T > 0, logprobs,
-    penalties, bad words, allowed-token masks, active logits processors, grammars) is
+    Each node's target token is drawn from that node's own distribution (temperature,
+    top-k, top-p, min-p, per-request seeds).  Features whose state depends on the
+    generated prefix or that report per-token values (logprobs, penalties, bad words,
+    allowed-token masks, logit bias, min-tokens, other logits processors, grammars) are
     verified as a linear chain by vLLM's own rejection sampler instead.
     """
     sm = sampling_metadata
-    if has_structured_output or not sm.all_greedy or sm.max_num_logprobs is not None:
+    if has_structured_output or sm.max_num_logprobs is not None:
         return False
     if not sm.no_penalties or sm.bad_words_token_ids or sm.allowed_token_ids_mask is not None:
         return False
-    for proc in sm.logitsprocs.non_argmax_invariant:
+    for proc in sm.logitsprocs.all:
+        if type(proc).__name__ == "MinPLogitsProcessor":
+            continue  # applied per node by the verifier
         state = getattr(proc, "biases", None)
         if state is None:
             state = getattr(proc, "min_toks", None)
         if state is None or len(state) > 0:
             return False
     return True
+
+
+def min_p_of(sampling_metadata, num_reqs: int):
+    """Per-request min-p (CPU tensor) when any request uses it, else None."""
+    for proc in sampling_metadata.logitsprocs.all:
+        if type(proc).__name__ == "MinPLogitsProcessor" and proc.min_p_count > 0:
+            return torch.tensor([proc.get_min_p_by_index(i) for i in range(num_reqs)])
+    return None
 
 
 class DDTreeProposer(DFlashProposer):
@@ -87,7 +98,7 @@ class DDTreeProposer(DFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         runner = self.ddtree_runner
         req_ids = list(runner.input_batch.req_ids[: chain.shape[0]])
-        structured = bool(getattr(runner, "_ddtree_has_structured_output", False))
+        structured = runner._has_structured_output()
         if depth == 0 or self._draft_logits is None or not tree_eligible(sampling_metadata,
                                                                           structured):
             self.store.put_chains(req_ids)

@@ -32,6 +32,11 @@ class VerifyRequest:
     parents: list[int]
     depths: list[int]
 
+    @property
+    def is_chain(self) -> bool:
+        """Node j's parent is node j - 1: causal attention is already exact."""
+        return all(p == j for j, p in enumerate(self.parents))
+
     def ancestor_mask(self) -> torch.Tensor:
         """``[n + 1, n + 1]`` bool: verify row q may see verify row k."""
         n = self.num_nodes + 1
