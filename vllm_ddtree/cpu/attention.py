@@ -6,6 +6,11 @@ in torch: the paged prefix (unpacked from the ISA-specific layout) plus the requ
 fresh verify rows, masked to ancestors-or-self.  The same layer also keeps the verify
 rows' K/V for the compaction that follows the walk.  Rows of other requests and every
 drafter layer are left exactly as vLLM computed them.
+
+Installed per layer: after the target model loads, the runner switches each target
+attention layer's ``impl`` instance to :class:`DDTreeCPUAttentionImpl` (a subclass that
+adds state to nothing but the forward), so no process-wide backend registry or cache is
+touched and drafter layers keep vLLM's class.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from vllm_ddtree.cpu import active
 
@@ -85,7 +90,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                                           md.slot_mapping[rows_all].clone())
 
 
-class DDTreeCPUAttentionBackend(CPUAttentionBackend):
-    @staticmethod
-    def get_impl_cls():
-        return DDTreeCPUAttentionImpl
+def install(layers) -> None:
+    """Switch the given target attention layers to the tree-aware implementation."""
+    for name, layer in layers.items():
+        if type(layer.impl) is not CPUAttentionBackendImpl:
+            raise RuntimeError(
+                f"vllm-ddtree: target layer {name} uses {type(layer.impl).__qualname__}; "
+                "the CPU path supports vLLM's CPU attention backend (CPU_ATTN) only")
+        layer.impl.__class__ = DDTreeCPUAttentionImpl

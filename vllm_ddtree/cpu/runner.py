@@ -39,6 +39,13 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         self.drafter = DDTreeProposer(self.vllm_config, self.device, self)
         self._ddtree_target_layers: frozenset[str] | None = None
 
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        from vllm_ddtree.cpu import attention
+
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        attention.install({name: ctx[name] for name in self._target_layer_names()})
+
     # -- helpers -----------------------------------------------------------------
     def _target_layer_names(self) -> frozenset[str]:
         if self._ddtree_target_layers is None:

@@ -6,18 +6,13 @@ patch in :mod:`vllm_ddtree._patch.cpu_platform` only when ``method="ddtree"``).
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ddtree.cpu.runner import DDTreeCPUModelRunner
 
-BACKEND = "vllm_ddtree.cpu.attention.DDTreeCPUAttentionBackend"
-
 
 class DDTreeCPUWorker(CPUWorker):
     def init_device(self) -> None:
-        # vLLM's documented backend override; it lives in this worker process only.
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
         super().init_device()
         runner = self.model_runner
         if type(runner).__name__ != "CPUModelRunner" or not hasattr(runner, "drafter"):

@@ -111,16 +111,21 @@ def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _depth_candidates_cuda(draft_logits, k, inplace):
-    from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
-
     R, D, V = draft_logits.shape
     x = draft_logits.reshape(R * D, V)
-    if not inplace or not x.is_contiguous():
-        x = x.clone()
-    lse = logsumexp_sanitize(x, sanitize_inplace=True)
-    vals, idx = _topk_lowest_index(x, k)  # native dtype, index order
-    vals, perm = torch.sort(vals.float(), dim=-1, descending=True, stable=True)
-    idx = torch.gather(idx, -1, perm)
+    from vllm_ddtree.kernels.topk_lse import MAX_K, topk_lse
+
+    if k <= MAX_K:  # one read of the logits, exact ties by construction
+        vals, idx, lse = topk_lse(x if x.is_contiguous() else x.contiguous(), k)
+    else:
+        from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
+
+        if not inplace or not x.is_contiguous():
+            x = x.clone()
+        lse = logsumexp_sanitize(x, sanitize_inplace=True)
+        vals, idx = _topk_lowest_index(x, k)  # native dtype, index order
+        vals, perm = torch.sort(vals.float(), dim=-1, descending=True, stable=True)
+        idx = torch.gather(idx, -1, perm)
     lp = vals - lse.unsqueeze(1)
     lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
     return lp.view(R, D, k), idx.view(R, D, k)
