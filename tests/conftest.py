@@ -12,3 +12,23 @@ except ImportError:  # pragma: no cover
 if not _gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A per-module folder for generated model fixtures."""
+    return tmp_path_factory.mktemp("fixtures")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: extra intra-op threads only add contention (10x slower on 2 busy cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

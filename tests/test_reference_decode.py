@@ -11,18 +11,7 @@ from vllm_ddtree.reference import DFlashDrafterRef, ddtree_generate, dflash_gene
 N_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("fixtures")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: extra intra-op threads only add contention (10x slower on 2 busy cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _load(root, variant):

@@ -107,6 +107,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+            "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner.positions",
             "vllm.v1.spec_decode.dflash:DFlashProposer.propose",
             "vllm.v1.spec_decode.dflash:DFlashProposer._sample_draft_tokens",

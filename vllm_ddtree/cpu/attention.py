@@ -51,11 +51,6 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return out
 
     def _tree_rows(self, layer, query, key, value, kv_cache, md, output, step):
-        if self.alibi_slopes is not None or self.sliding_window not in (None, -1) or \
-                self.sinks is not None or self.logits_soft_cap or self.is_fp8_kv_cache:
-            raise NotImplementedError(
-                "DDTree tree attention on CPU supports plain causal attention only "
-                "(no ALiBi, sliding window, sinks, soft-capping or fp8 KV cache)")
         nb, kvh, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
         nh, hd = self.num_heads, self.head_size
@@ -90,11 +85,38 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                                           md.slot_mapping[rows_all].clone())
 
 
+SUPPORTED_ISAS = ("vec", "vec16", "amx")  # KV layouts whose unpacking is verified
+
+
+def check_supported(name: str, layer) -> None:
+    """Refuse, at load time, layers whose tree rows this path cannot compute exactly."""
+    impl = layer.impl
+    problems = []
+    if type(impl) not in (CPUAttentionBackendImpl, DDTreeCPUAttentionImpl):
+        problems.append(f"backend {type(impl).__qualname__} (only vLLM's CPU_ATTN)")
+    if impl.alibi_slopes is not None:
+        problems.append("ALiBi")
+    if impl.sliding_window not in (None, -1):
+        problems.append("sliding window")
+    if impl.sinks is not None:
+        problems.append("attention sinks")
+    if impl.logits_soft_cap:
+        problems.append("logit soft-capping")
+    if impl.is_fp8_kv_cache:
+        problems.append("fp8 KV cache")
+    if getattr(impl, "kv_sharing_target_layer_name", None):
+        problems.append("KV shared with another layer")
+    isa = getattr(layer, "isa", None)
+    if isa not in SUPPORTED_ISAS:
+        problems.append(f"CPU attention ISA {isa!r} (verified: {', '.join(SUPPORTED_ISAS)})")
+    if problems:
+        raise NotImplementedError(
+            f"vllm-ddtree: target attention layer {name} is not supported by the CPU tree "
+            f"path: {'; '.join(problems)}. Use method 'dflash' for this model.")
+
+
 def install(layers) -> None:
     """Switch the given target attention layers to the tree-aware implementation."""
     for name, layer in layers.items():
-        if type(layer.impl) is not CPUAttentionBackendImpl:
-            raise RuntimeError(
-                f"vllm-ddtree: target layer {name} uses {type(layer.impl).__qualname__}; "
-                "the CPU path supports vLLM's CPU attention backend (CPU_ATTN) only")
+        check_supported(name, layer)
         layer.impl.__class__ = DDTreeCPUAttentionImpl

@@ -36,11 +36,16 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def ddtree_init(self) -> None:
         assert is_ddtree(self.speculative_config)
+        if self.uses_mrope or getattr(self, "uses_xdrope_dim", 0):
+            raise NotImplementedError(
+                "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
+                "supported yet (tree positions are written to the 1-D positions only); "
+                "use method 'dflash' for this model.")
         self.drafter = DDTreeProposer(self.vllm_config, self.device, self)
         self._ddtree_target_layers: frozenset[str] | None = None
 
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
+    def initialize_kv_cache(self, *args, **kwargs) -> None:
+        super().initialize_kv_cache(*args, **kwargs)  # sets each layer's CPU attention ISA
         from vllm_ddtree.cpu import attention
 
         ctx = self.vllm_config.compilation_config.static_forward_context
@@ -69,12 +74,17 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         if not tree_eligible(self.input_batch.sampling_metadata, structured):
             return None
         qsl = self.query_start_loc.np
+        req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
+        store.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        scheduled = [(i, spec.get(req_id) if spec else None) for i, req_id in enumerate(req_ids)]
+        for i, drafts in scheduled:
+            if drafts and int(qsl[i + 1] - qsl[i]) != len(drafts) + 1:
+                return None  # not "root + drafts" (e.g. recomputed tokens): vLLM's path
         requests = []
-        for i, req_id in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
-            drafts = spec.get(req_id) if spec else None
+        for i, drafts in scheduled:
             if not drafts:
                 continue
-            parents, depths = store.lookup(req_id, drafts)
+            parents, depths = store.lookup(req_ids[i], drafts)
             s = int(qsl[i])
             c = int(self.positions[s])
             self.positions[s + 1 : s + 1 + len(drafts)] = c + torch.tensor(depths)
@@ -95,6 +105,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def _sample(self, logits, spec_decode_metadata):
         step, active.step = active.step, None
+        self.drafter.store.last_paths = {}  # set again below for a tree step only
         if step is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         return self._verify_tree(step, logits, spec_decode_metadata)

@@ -63,6 +63,8 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits: torch.Tensor | None = None
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        if self.use_heterogeneous_vocab:  # draft-vocabulary ids: keep vLLM's mapping, chain
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
