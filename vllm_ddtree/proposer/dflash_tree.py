@@ -16,9 +16,24 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree.compat import get_logger
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.proposer.state import TreeStore
 from vllm_ddtree.tree import build_tree
+
+
+_logger = get_logger(__name__)
+_logged: set[str] = set()
+
+
+def _chain(reason: str) -> bool:
+    if reason not in _logged:
+        _logged.add(reason)
+        _logger.warning(
+            "vllm-ddtree: a batch with %s is verified as a linear chain by vLLM's rejection "
+            "sampler (exact for greedy, fewer accepted tokens); logged once per reason.",
+            reason)
+    return False
 
 
 def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> bool:
@@ -28,13 +43,19 @@ def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> boo
     top-k, top-p, min-p, per-request seeds).  Features whose state depends on the
     generated prefix or that report per-token values (logprobs, penalties, bad words,
     allowed-token masks, logit bias, min-tokens, other logits processors, grammars) are
-    verified as a linear chain by vLLM's own rejection sampler instead.
+    verified as a linear chain by vLLM's own rejection sampler instead (logged once).
     """
     sm = sampling_metadata
-    if has_structured_output or sm.max_num_logprobs is not None:
-        return False
-    if not sm.no_penalties or sm.bad_words_token_ids or sm.allowed_token_ids_mask is not None:
-        return False
+    if has_structured_output:
+        return _chain("structured output (a grammar)")
+    if sm.max_num_logprobs is not None:
+        return _chain("logprobs requested")
+    if not sm.no_penalties:
+        return _chain("repetition/presence/frequency penalties")
+    if sm.bad_words_token_ids:
+        return _chain("bad words")
+    if sm.allowed_token_ids_mask is not None:
+        return _chain("allowed_token_ids")
     for proc in sm.logitsprocs.all:
         if type(proc).__name__ == "MinPLogitsProcessor":
             continue  # applied per node by the verifier
@@ -42,7 +63,7 @@ def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> boo
         if state is None:
             state = getattr(proc, "min_toks", None)
         if state is None or len(state) > 0:
-            return False
+            return _chain(f"an active logits processor ({type(proc).__name__})")
     return True
 
 
