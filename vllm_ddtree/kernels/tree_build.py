@@ -122,12 +122,14 @@ def _pair_tables(D: int, K: int, W: int, device) -> tuple:
         # pairs are sorted by parent position, so depth d uses the prefix i < size(d-1)
         import bisect
 
+        total = size
         for _ in range(1, D):
             npairs.append(bisect.bisect_left(pi, size))
             size = min(W, npairs[-1])
+            total += size
         p2 = _pow2(max(1, max(npairs)))
         t = lambda x: torch.tensor(x or [0], dtype=torch.int32, device=device)  # noqa: E731
-        _tables[key] = (t(pi), t(pr), t(npairs), p2)
+        _tables[key] = (t(pi), t(pr), t(npairs), p2, total)
     return _tables[key]
 
 
@@ -140,11 +142,13 @@ def triton_build_supported(D: int, K: int, W: int) -> bool:
 
 def tree_build_triton(lp: torch.Tensor, tok: torch.Tensor, width: int,
                       per_req: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``lp``/``tok``: ``[R, D, K]`` per-depth candidates (see ``depth_candidates``).
-    Returns ``(token_ids, parents, depths, scores)``, each ``[R, width]``."""
+    """``lp``/``tok``: ``[R, D, K]`` per-depth candidates (see ``depth_candidates``);
+    ``per_req``: ``[R]`` budgets.  Returns ``(token_ids, parents, depths, scores)``, each
+    ``[R, width]``, and ``num_nodes [R]``."""
     R, D, K = lp.shape
     dev = lp.device
-    pi, pr, npairs, p2 = _pair_tables(D, K, width, dev)
+    pi, pr, npairs, p2, total = _pair_tables(D, K, width, dev)
+    num_nodes = per_req.clamp(max=min(width, total))
     pb = _pow2(width)
     s = max(p2, pb)
     db = _pow2(D) * pb
@@ -155,9 +159,9 @@ def tree_build_triton(lp: torch.Tensor, tok: torch.Tensor, width: int,
     out_dep = torch.empty_like(out_tok)
     out_score = torch.empty((R, width), dtype=torch.float32, device=dev)
     _tree_build_kernel[(R,)](
-        lp.contiguous(), tok.contiguous(), pi, pr, npairs, keys, mp, per_req,
+        lp.contiguous(), tok.contiguous(), pi, pr, npairs, keys, mp, num_nodes,
         out_tok, out_par, out_dep, out_score,
         D=D, K=K, W=width, P2=p2, S=s, PB=pb, DB=db,
         num_warps=8 if db >= 2048 else 4,
     )
-    return out_tok, out_par, out_dep, out_score
+    return out_tok, out_par, out_dep, out_score, num_nodes

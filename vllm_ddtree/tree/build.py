@@ -166,14 +166,6 @@ def _pair_table(n_parents: int, k: int, budget: int, device: str) -> tuple[torch
             torch.tensor(pr, dtype=torch.int64, device=dev))
 
 
-def _depth_sizes(D: int, K: int, width: int) -> list[int]:
-    """Size of each depth's top-``width`` set."""
-    sizes = [K]
-    for _ in range(1, D):
-        sizes.append(min(width, sum(min(K, width // (i + 1)) for i in range(sizes[-1]))))
-    return sizes
-
-
 @lru_cache(maxsize=256)
 def _static_tensor(values: tuple[int, ...], device: str) -> torch.Tensor:
     # Cached so that no host-to-device copy happens while a CUDA graph is captured.
@@ -242,10 +234,8 @@ def build_tree(
             if not ok:
                 raise ValueError(f"build_tree: impl='triton' does not support D={D}, "
                                  f"K={K}, width={width}")
-            total = sum(_depth_sizes(D, K, width))
-            empty.num_nodes = per_req.clamp(max=min(width, total))
-            (empty.token_ids, empty.parents, empty.depths,
-             empty.scores) = tree_build_triton(lp, tok, width, empty.num_nodes)
+            (empty.token_ids, empty.parents, empty.depths, empty.scores,
+             empty.num_nodes) = tree_build_triton(lp, tok, width, per_req)
             return empty
 
     # Per-depth top-`width` sets, each sorted by key (best first).
