@@ -117,3 +117,25 @@ def test_tree_beats_chain_fixture(pairs):
     # The runner-up branch gives >= 1 accepted token per step, except possibly the last
     # step of each request, where the scheduler may cut the tree to fit max_tokens.
     assert t_drafts > 0 and t_accepted >= t_drafts - 4
+
+
+def test_logprobs_request_matches_no_speculation(pairs):
+    """Logprobs make a batch verify as a chain with vLLM's own sampler: tokens and the
+    returned logprobs equal those of no speculation."""
+    target, drafter = pairs["random"]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    results = []
+    for spec in (None, _spec(drafter, D)):
+        llm = _engine(target, speculative_config=spec)
+        outs = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids,
+                         [{k: v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs])
+                        for o in outs])
+        _close(llm)
+    (base, spec_out) = results
+    assert [t for t, _ in base] == [t for t, _ in spec_out]
+    for (_, lp_a), (_, lp_b) in zip(base, spec_out):
+        assert len(lp_a) == len(lp_b) == 12
+        for a, b in zip(lp_a, lp_b):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
