@@ -71,11 +71,11 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         store = self.drafter.store
         structured = self._has_structured_output()
         spec = scheduler_output.scheduled_spec_decode_tokens
+        store.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
         if not tree_eligible(self.input_batch.sampling_metadata, structured):
             return None
         qsl = self.query_start_loc.np
         req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
-        store.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
         scheduled = [(i, spec.get(req_id) if spec else None) for i, req_id in enumerate(req_ids)]
         for i, drafts in scheduled:
             if drafts and int(qsl[i + 1] - qsl[i]) != len(drafts) + 1:
