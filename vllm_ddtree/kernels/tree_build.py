@@ -107,36 +107,24 @@ if triton is not None:
         tl.store(OUT_SCORE + out, tl.where(keep, _score(nkey), float("-inf")), mask=sel)
 
 
-_tables: dict = {}
-
-
 def _pair_tables(D: int, K: int, W: int, device) -> tuple:
-    key = (D, K, W, str(device))
-    if key not in _tables:
-        pi, pr, npairs = [], [], [0]
-        size = min(W, K)
-        for i in range(W):
-            rmax = min(K, W // (i + 1))
-            pi.extend([i] * rmax)
-            pr.extend(range(rmax))
-        # pairs are sorted by parent position, so depth d uses the prefix i < size(d-1)
-        import bisect
+    """Pair tables of the shared layout (``pair_layout``) as int32 tensors, the sort width
+    and the total number of nodes over all depths."""
+    from vllm_ddtree.tree.build import _static_tensor, pair_layout, pair_tensors
 
-        total = size
-        for _ in range(1, D):
-            npairs.append(bisect.bisect_left(pi, size))
-            size = min(W, npairs[-1])
-            total += size
-        p2 = _pow2(max(1, max(npairs)))
-        t = lambda x: torch.tensor(x or [0], dtype=torch.int32, device=device)  # noqa: E731
-        _tables[key] = (t(pi), t(pr), t(npairs), p2, total)
-    return _tables[key]
+    pi, pr = pair_tensors(D, K, W, str(device), torch.int32)
+    npairs = pair_layout(D, K, W)[2]
+    sizes = [min(W, K)] + [min(W, n) for n in npairs[1:]]
+    np_t = _static_tensor(tuple(npairs), str(device))  # cached: nothing copied under capture
+    return pi, pr, np_t, _pow2(max(1, max(npairs))), sum(sizes)
 
 
 def triton_build_supported(D: int, K: int, W: int) -> bool:
     if triton is None or W == 0:
         return False
-    p2 = _pow2(sum(min(K, W // (i + 1)) for i in range(W)))
+    from vllm_ddtree.tree.build import pair_layout
+
+    p2 = _pow2(len(pair_layout(D, K, W)[0]))
     return p2 <= MAX_SORT and _pow2(W) * _pow2(D) <= MAX_SORT
 
 

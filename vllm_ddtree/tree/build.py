@@ -32,6 +32,7 @@ token id.  Sanitizing: NaN counts as -inf, +inf as the input dtype's largest fin
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -153,17 +154,30 @@ def _unpack_score(key: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-@lru_cache(maxsize=256)
-def _pair_table(n_parents: int, k: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parent position, token rank) pairs with (i+1)(r+1) <= budget."""
+@lru_cache(maxsize=64)
+def pair_layout(D: int, K: int, W: int) -> tuple[list[int], list[int], list[int]]:
+    """Candidate (parent position, token rank) pairs with ``(i+1)(r+1) <= W``, sorted by
+    parent position, and per depth ``d`` how many of them have their parent inside depth
+    ``d - 1``'s set (a prefix, since the pairs are sorted; entry 0 is unused)."""
     pi, pr = [], []
-    for i in range(n_parents):
-        rmax = min(k, budget // (i + 1))
+    for i in range(W):
+        rmax = min(K, W // (i + 1))
         pi.extend([i] * rmax)
         pr.extend(range(rmax))
+    npairs, size = [0], min(W, K)
+    for _ in range(1, D):
+        npairs.append(bisect.bisect_left(pi, size))
+        size = min(W, npairs[-1])
+    return pi, pr, npairs
+
+
+@lru_cache(maxsize=64)
+def pair_tensors(D: int, K: int, W: int, device: str,
+                 dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    pi, pr, _ = pair_layout(D, K, W)
     dev = torch.device(device)
-    return (torch.tensor(pi, dtype=torch.int64, device=dev),
-            torch.tensor(pr, dtype=torch.int64, device=dev))
+    return (torch.tensor(pi or [0], dtype=dtype, device=dev),
+            torch.tensor(pr or [0], dtype=dtype, device=dev))
 
 
 @lru_cache(maxsize=256)
@@ -243,9 +257,10 @@ def build_tree(
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     ranks = [torch.arange(K, device=dev).expand(R, K)]
     sizes = [K]
+    pi_all, pr_all = pair_tensors(D, K, width, str(dev))
+    npairs = pair_layout(D, K, width)[2]
     for d in range(1, D):
-        n_par = sizes[-1]
-        pi, pr = _pair_table(n_par, K, width, str(dev))
+        pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
         cand = scores[-1][:, pi] + lp[:, d, :][:, pr]  # [R, P] float32, parent first
         key = _pack(cand, pi * K + pr)
         n = min(width, pi.numel())
