@@ -30,6 +30,23 @@ def test_symbol_exists_in_installed_vllm(entry: PatchEntry, symbol: str) -> None
     resolve(symbol)  # raises ImportError / AttributeError on API drift
 
 
+_CUDA_SYMBOLS = [
+    pytest.param(entry, symbol, id=f"{entry.name}:{symbol}")
+    for entry in LEDGER
+    for symbol in entry.reads_cuda_only
+]
+
+
+@pytest.mark.parametrize(("entry", "symbol"), _CUDA_SYMBOLS)
+def test_cuda_only_symbol_exists_on_cuda_builds(entry: PatchEntry, symbol: str) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"{symbol} is imported by vLLM only on CUDA builds (this is the CPU "
+                    "build); checked on the GPU machine")
+    resolve(symbol)
+
+
 @pytest.mark.parametrize("entry", LEDGER, ids=lambda e: e.name)
 def test_ledger_entry_complete(entry: PatchEntry) -> None:
     for name in ("why", "how", "removal_plan"):

@@ -132,3 +132,38 @@ def test_chunked_topk_lse_kernel(dtype, k):
     assert torch.equal(idx.cpu(), ri[:, :k])
     assert torch.equal(vals.cpu(), rv[:, :k])
     torch.testing.assert_close(lse.cpu(), torch.logsumexp(ref, -1), atol=1e-4, rtol=1e-5)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_triton_merge_into_prefix_output_and_row_subset(dtype, tol):
+    """The GPU backend's two uses: (1) tree keys merged in place into a prefix result
+    given as FlashAttention's ``[H, T]`` LSE (+inf/-inf = no prefix keys); (2) a subset of
+    requests recomputed in place (``query_end``), other rows untouched."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, _, _ = _case(3, dtype=dtype, budget=24)
+    args["prefix_lens"][1] = 0  # a request with no prefix at all
+    args = {k: v.to(dev) for k, v in args.items()}
+    full, _ = tree_attention_torch(**args)
+    no_tree = torch.zeros_like(args["ancestor_bits"])
+    pre, lse_p = tree_attention_torch(**dict(args, ancestor_bits=no_tree))
+    lse_hT = lse_p.transpose(0, 1).contiguous()  # FlashAttention's layout
+    qs = args["query_start"]
+    lse_hT[:, qs[1]:qs[2]] = float("inf")  # FA's "empty" marker for request 1
+    out = pre.clone()
+    out[qs[1]:qs[2]] = 7.0  # garbage where the prefix is empty: must be ignored
+    res, lse = tree_attention_triton(**args, include_prefix=False, max_rows=25, out=out,
+                                     prefix_out_lse=lse_hT, return_lse=False)
+    assert res is out and lse is None
+    torch.testing.assert_close(out.float(), full.float(), atol=tol, rtol=tol)
+
+    # recompute request 2 only, in place
+    qe = qs[1:].clone()
+    qe[:2] = qs[:2]
+    out2 = torch.full_like(full, 3.0)
+    tree_attention_triton(**args, max_rows=25, query_end=qe, out=out2, return_lse=False)
+    a, b = int(qs[2]), int(qs[3])
+    torch.testing.assert_close(out2[a:b].float(), full[a:b].float(), atol=tol, rtol=tol)
+    assert torch.all(out2[:a] == 3.0)
+    ref_sub, _ = tree_attention_torch(**args, query_end=qe)
+    assert torch.all(ref_sub[:a] == 0) and torch.allclose(ref_sub[a:b].float(), full[a:b].float())

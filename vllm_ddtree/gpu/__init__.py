@@ -1,0 +1,1 @@
+"""DDTree on vLLM's GPU Model Runner V2 (speculator, model state, verifier, attention)."""
