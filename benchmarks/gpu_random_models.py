@@ -1,0 +1,197 @@
+"""Random-weight models on the GPU runner: greedy agreement with no speculation through
+64 tokens, where any mismatch sits (the target's top-2 logit gap there, in bf16 ulps),
+and DDTree's step cost against vLLM's DFlash chain at equal verify width.
+
+    python benchmarks/gpu_random_models.py --out $OUT [--shaped] [--tiny]
+
+``--shaped`` writes a Qwen3-shaped target (hidden 2048, 24 layers, 16/8 heads of 128,
+vocab 151936) and a 2-layer DFlash drafter with random weights under /tmp; ``--tiny``
+uses the project's random tiny fixture.  Random drafts are almost never accepted, so each
+step emits ~one token and wall time / tokens ~ step time.
+
+Mismatch rule (stated threshold): a mismatch counts as a bf16 near-tie when the
+target's top-2 raw logits at that position differ by at most 4 bf16 ulps of the top
+logit (ulp = 2^(floor(log2|x|) - 7)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+SHAPE = dict(hidden=2048, layers=24, heads=16, kv_heads=8, head_dim=128, inter=6144,
+             vocab=151936, draft_layers=2, target_layer_ids=[1, 12, 22])
+
+
+def gen_shaped(root: Path) -> tuple[Path, Path]:
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    t_dir, d_dir = root / "target", root / "drafter"
+    if (root / ".done").exists():
+        return t_dir, d_dir
+    s = SHAPE
+    H, NH, NKV, HD, FF, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["vocab"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*shape, std=0.02):
+        return (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16().cpu()
+
+    def one(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    def layer(p):
+        return {f"{p}.self_attn.q_proj.weight": r(NH * HD, H), f"{p}.self_attn.k_proj.weight": r(NKV * HD, H),
+                f"{p}.self_attn.v_proj.weight": r(NKV * HD, H), f"{p}.self_attn.o_proj.weight": r(H, NH * HD),
+                f"{p}.self_attn.q_norm.weight": one(HD), f"{p}.self_attn.k_norm.weight": one(HD),
+                f"{p}.input_layernorm.weight": one(H), f"{p}.post_attention_layernorm.weight": one(H),
+                f"{p}.mlp.gate_proj.weight": r(FF, H), f"{p}.mlp.up_proj.weight": r(FF, H),
+                f"{p}.mlp.down_proj.weight": r(H, FF)}
+
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": H,
+           "intermediate_size": FF, "num_hidden_layers": s["layers"], "num_attention_heads": NH,
+           "num_key_value_heads": NKV, "head_dim": HD, "vocab_size": V,
+           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+           "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+    for d in (t_dir, d_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    vocab = {f"<{i}>": i for i in range(1000)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")),
+                                  unk_token="<0>", eos_token="<2>")
+    tok.save_pretrained(t_dir)
+    (t_dir / "config.json").write_text(json.dumps(cfg))
+    sd = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H), "model.norm.weight": one(H)}
+    for i in range(s["layers"]):
+        sd.update(layer(f"model.layers.{i}"))
+    save_file(sd, str(t_dir / "model.safetensors"), metadata={"format": "pt"})
+    ids = s["target_layer_ids"]
+    sd = {"fc.weight": r(H, H * len(ids)), "hidden_norm.weight": one(H), "norm.weight": one(H)}
+    for i in range(s["draft_layers"]):
+        sd.update(layer(f"layers.{i}"))
+    save_file(sd, str(d_dir / "model.safetensors"), metadata={"format": "pt"})
+    dcfg = dict(cfg, architectures=["DFlashDraftModel"], num_hidden_layers=s["draft_layers"],
+                block_size=16, num_target_layers=s["layers"],
+                dflash_config={"mask_token_id": 999, "target_layer_ids": ids},
+                tie_word_embeddings=True, auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+                layer_types=["full_attention"] * s["draft_layers"])
+    (d_dir / "config.json").write_text(json.dumps(dcfg))
+    (root / ".done").write_text("ok")
+    return t_dir, d_dir
+
+
+def engine(target, spec=None, width=16, **kw):
+    from vllm import LLM
+
+    return LLM(model=str(target), dtype="bfloat16", max_model_len=1024, seed=0, max_num_seqs=32,
+               max_num_batched_tokens=8192, gpu_memory_utilization=0.22,
+               disable_log_stats=False, speculative_config=spec,
+               compilation_config={"max_cudagraph_capture_size": min(32 * width, 8192)}, **kw)
+
+
+def drafts(llm):
+    return sum(x.value for x in llm.get_metrics()
+               if x.name == "vllm:spec_decode_num_drafts" and hasattr(x, "value"))
+
+
+def generate(llm, prompts, max_tokens):
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res], time.perf_counter() - t
+
+
+def ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+
+
+def top2(llm, prompt):
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+    vals = sorted((lp.logprob for lp in out.outputs[0].logprobs[0].values()), reverse=True)
+    return vals[0], vals[1]
+
+
+def close(llm):
+    import torch
+
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run(name, target, drafter, out, max_tokens=64, batches=(1, 32), budgets=(15, 60)):
+    rnd = random.Random(0)
+    prompts = [[rnd.randrange(3, 990) for _ in range(rnd.randrange(16, 64))] for _ in range(32)]
+    ref_llm = engine(target, logprobs_mode="raw_logits")
+    ref = {n: generate(ref_llm, prompts[:n], max_tokens) for n in batches}
+    rows = []
+    configs = [("dflash", 15)] + [("ddtree", b) for b in budgets]
+    for method, k in configs:
+        spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
+        llm = engine(target, spec, width=k + 1)
+        generate(llm, prompts[:2], 8)  # warm up
+        for n in batches:
+            d0 = drafts(llm)
+            toks, dt = generate(llm, prompts[:n], max_tokens)
+            steps = max(1.0, (drafts(llm) - d0) / n)  # verify steps per request
+            same = sum(a == b for a, b in zip(toks, ref[n][0]))
+            gaps = []
+            for i, (a, b) in enumerate(zip(toks, ref[n][0])):
+                if a == b:
+                    continue
+                j = next(x for x in range(len(a)) if a[x] != b[x])
+                l1, l2 = top2(ref_llm, prompts[i] + b[:j])
+                gaps.append(dict(seq=i, pos=j, gap=l1 - l2, ulps=(l1 - l2) / ulp(l1)))
+            rows.append(dict(model=name, method=method, k=k, batch=n, identical=same, total=n,
+                             near_ties=sum(g["ulps"] <= 4 for g in gaps), mismatches=gaps,
+                             tau=n * max_tokens / max(1.0, drafts(llm) - d0),
+                             ms_per_step=1000 * dt / steps,
+                             ms_nospec=1000 * ref[n][1] / max_tokens))
+            print(json.dumps(rows[-1]), flush=True)
+        close(llm)
+    close(ref_llm)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu-random")
+    ap.add_argument("--shaped", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.tiny:
+        from vllm_ddtree.fixtures import make_tiny_pair
+
+        t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
+        rows += run("tiny-random", t, d, out, budgets=(15, 60, 240))
+    if args.shaped:
+        t, d = gen_shaped(Path(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random")))
+        rows += run("qwen3-2048x24-random", t, d, out)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    print("\nmodel                 method  k   batch identical near-tie/mismatch  max-ulps  "
+          " tau  ms/step  ms/step(no spec)")
+    for r in rows:
+        mx = max((g["ulps"] for g in r["mismatches"]), default=0.0)
+        print(f"{r['model']:<21} {r['method']:<7} {r['k']:<3} {r['batch']:>5} "
+              f"{r['identical']:>4}/{r['total']:<4} {r['near_ties']:>8}/{len(r['mismatches']):<8} "
+              f"{mx:8.1f} {r['tau']:5.2f} {r['ms_per_step']:8.2f} {r['ms_nospec']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
