@@ -212,3 +212,27 @@ def test_added_fields_are_real_dataclass_fields() -> None:
     names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     for extra in ("ddtree_max_depth", "ddtree_enabled", "ddtree_depth"):
         assert extra in names and is_init_field(SpeculativeConfig, extra)
+
+
+def test_v1_dflash_proposer_refuses_ddtree_configs() -> None:
+    """On GPU, vLLM's V1 runner (MoE targets on 0.26, or forced V1) would build its own
+    DFlash proposer and silently run a chain: a DDTree config must be refused there,
+    while the project's own V1 (CPU) proposer subclass passes."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    from vllm_ddtree.proposer.dflash_tree import DDTreeProposer
+
+    vllm_ddtree.register()
+    ddtree_cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree_enabled=True))
+    with pytest.raises(NotImplementedError, match="V1 GPU model runner"):
+        DFlashProposer(ddtree_cfg, "cpu")
+    # the subclass gets past the guard into vLLM's own __init__ (which then fails on the
+    # fake config: proof the guard let it through)
+    with pytest.raises(AttributeError):
+        DDTreeProposer(ddtree_cfg, "cpu")
+    # a plain DFlash config reaches vLLM's own __init__ untouched
+    plain = SimpleNamespace(speculative_config=SimpleNamespace(method="dflash"))
+    with pytest.raises(AttributeError):
+        DFlashProposer(plain, "cpu")

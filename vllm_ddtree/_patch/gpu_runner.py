@@ -27,8 +27,34 @@ def make_init_speculator(original):
     return init_speculator
 
 
+V1_PROPOSER = "vllm.v1.spec_decode.dflash"
+V1_MESSAGE = (
+    "vllm-ddtree: this engine selected vLLM's V1 GPU model runner, where DDTree is not "
+    "implemented (on vLLM 0.26 MoE targets run on V1; VLLM_USE_V2_MODEL_RUNNER=0 forces it). "
+    "Use a dense target on the default V2 runner, or method 'dflash'.")
+
+
+def make_v1_guard(original):
+    """vLLM's V1 DFlash proposer would silently run a plain chain for a DDTree config:
+    refuse, except for the project's own V1 (CPU) proposer subclass."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        from vllm_ddtree.config import is_ddtree
+
+        if is_ddtree(vllm_config.speculative_config) and not getattr(
+                type(self), "ddtree_proposer", False):
+            raise NotImplementedError(V1_MESSAGE)
+        return original(self, vllm_config, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 def apply(patches: PatchSet) -> None:
     import importlib
+
+    proposer = importlib.import_module(V1_PROPOSER).DFlashProposer
+    patches.setattr(proposer, "__init__", make_v1_guard(proposer.__dict__["__init__"]))
 
     spec_decode = importlib.import_module(SPEC_DECODE)
     wrapper = make_init_speculator(spec_decode.init_speculator)

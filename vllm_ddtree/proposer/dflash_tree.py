@@ -76,6 +76,8 @@ def min_p_of(sampling_metadata, num_reqs: int):
 
 
 class DDTreeProposer(DFlashProposer):
+    ddtree_proposer = True  # the only DFlashProposer allowed to serve a DDTree config
+
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.budget, self.depth = ddtree_params(vllm_config.speculative_config)
