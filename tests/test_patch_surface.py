@@ -214,7 +214,7 @@ def test_added_fields_are_real_dataclass_fields() -> None:
         assert extra in names and is_init_field(SpeculativeConfig, extra)
 
 
-def test_v1_dflash_proposer_refuses_ddtree_configs() -> None:
+def test_v1_dflash_proposer_refuses_ddtree_configs(monkeypatch) -> None:
     """On GPU, vLLM's V1 runner (MoE targets on 0.26, or forced V1) would build its own
     DFlash proposer and silently run a chain: a DDTree config must be refused there,
     while the project's own V1 (CPU) proposer subclass passes."""
@@ -224,8 +224,16 @@ def test_v1_dflash_proposer_refuses_ddtree_configs() -> None:
 
     from vllm_ddtree.proposer.dflash_tree import DDTreeProposer
 
+    from vllm_ddtree._patch import gpu_runner
+
     vllm_ddtree.register()
     ddtree_cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree_enabled=True))
+    # on the CPU platform the guard is off (the CPU runner builds vLLM's proposer first and
+    # the DDTree worker replaces it): vLLM's own __init__ runs (and fails on the fake config)
+    assert not gpu_runner.v1_runner_is_ddtree_free()
+    with pytest.raises(AttributeError):
+        DFlashProposer(ddtree_cfg, "cpu")
+    monkeypatch.setattr(gpu_runner, "v1_runner_is_ddtree_free", lambda: True)  # as on GPU
     with pytest.raises(NotImplementedError, match="V1 GPU model runner"):
         DFlashProposer(ddtree_cfg, "cpu")
     # the subclass gets past the guard into vLLM's own __init__ (which then fails on the

@@ -34,15 +34,24 @@ V1_MESSAGE = (
     "Use a dense target on the default V2 runner, or method 'dflash'.")
 
 
+def v1_runner_is_ddtree_free() -> bool:
+    """True where vLLM's V1 runner must not serve DDTree: every platform but CPU (the CPU
+    runner builds vLLM's DFlash proposer first, then the DDTree worker replaces it)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
 def make_v1_guard(original):
-    """vLLM's V1 DFlash proposer would silently run a plain chain for a DDTree config:
-    refuse, except for the project's own V1 (CPU) proposer subclass."""
+    """On GPU, vLLM's V1 DFlash proposer would silently run a plain chain for a DDTree
+    config: refuse (the project's own proposer subclass is always allowed)."""
 
     def __init__(self, vllm_config, *args, **kwargs):
         from vllm_ddtree.config import is_ddtree
 
-        if is_ddtree(vllm_config.speculative_config) and not getattr(
-                type(self), "ddtree_proposer", False):
+        if (is_ddtree(vllm_config.speculative_config)
+                and not getattr(type(self), "ddtree_proposer", False)
+                and v1_runner_is_ddtree_free()):
             raise NotImplementedError(V1_MESSAGE)
         return original(self, vllm_config, *args, **kwargs)
 

@@ -1,0 +1,205 @@
+"""Autoregressive vs vLLM's DFlash chain vs DDTree, side by side in one process.
+
+    python benchmarks/throughput.py --target T --drafter D --out DIR \
+        [--budgets 16,32,64] [--batches 1,2,4,8,16,32,64] [--temps 0,1] [--max-tokens 128]
+    python benchmarks/throughput.py --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
+
+One engine per method (same target, same drafter, same prompts), run one after another in
+this process on the same device.  For every batch size and temperature it reports the
+acceptance length tau (tokens per verify step), the mean step time, output tokens/s per
+request and in total, and the ratios to DFlash and to autoregressive.  Shows a progress
+bar, prints a table last and writes ``results.json`` plus ``throughput.png``.
+
+Step counts come from vLLM's own spec-decode counters (one draft per request per step);
+autoregressive steps = output tokens / batch.  Timings are wall-clock around
+``LLM.generate`` (prefill included; use --max-tokens large against the prompt length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = [
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "for i in range(10):\n    print(",
+    "The capital of France is",
+    "def fibonacci(n):\n",
+]
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if not path:
+        return DEFAULT_PROMPTS
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [p for p in text.split("\n\n\n") if p.strip()]
+
+
+def counters(llm) -> tuple[float, float]:
+    m = {x.name: x.value for x in llm.get_metrics()
+         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
+    return m.get("vllm:spec_decode_num_drafts", 0.0), m.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+
+
+def make_engine(args, spec, width):
+    from vllm import LLM
+
+    kw = dict(model=str(args.target), dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
+              max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_mem,
+              disable_log_stats=False, enforce_eager=args.eager, speculative_config=spec)
+    if not args.eager:
+        kw["compilation_config"] = {"max_cudagraph_capture_size":
+                                    min(max(args.batches) * width, args.max_num_batched_tokens)}
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return LLM(**kw)
+
+
+def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
+    import torch
+    from vllm import SamplingParams
+
+    llm = make_engine(args, spec, width)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    rows = []
+    for temp in args.temps:
+        for n in args.batches:
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
+            d0, a0 = counters(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            d1, a1 = counters(llm)
+            toks = sum(len(o.outputs[0].token_ids) for o in outs)
+            drafts = d1 - d0
+            steps = drafts / n if spec else toks / n
+            tau = (1 + (a1 - a0) / drafts) if (spec and drafts) else 1.0
+            rows.append(dict(method=name, temperature=temp, batch=n, tau=tau,
+                             step_ms=1000 * wall / max(steps, 1.0),
+                             tok_s=toks / wall, tok_s_per_req=toks / wall / n,
+                             output_tokens=toks, wall_s=wall))
+            bar.update(1)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    base = {(r["method"], r["temperature"], r["batch"]): r["tok_s"] for r in rows}
+    for r in rows:
+        key = (r["temperature"], r["batch"])
+        for ref in ("ar", "dflash"):
+            b = base.get((ref, *key))
+            r[f"vs_{ref}"] = r["tok_s"] / b if b else None
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return False
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["batch"], r["tok_s"]) for r in rows
+                         if r["method"] == method and r["temperature"] == temp)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens/s (total)")
+        ax.set_title(f"T = {temp}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--fixture", help="use the project's tiny pair of this variant instead")
+    ap.add_argument("--out", default="throughput-out")
+    ap.add_argument("--budgets", default="16,32,64")
+    ap.add_argument("--dflash-k", type=int, default=None, help="default: block_size - 1")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--temps", default="0,1")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--prompts", help="a .jsonl ({'prompt': ...}) or text file (blank-line x2 separated)")
+    ap.add_argument("--methods", default="ar,dflash,ddtree")
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        args.dtype, args.eager, args.gpu_mem = "float32", True, 0.2
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.fixture:
+        from vllm_ddtree.fixtures import make_tiny_pair
+
+        args.target, args.drafter = make_tiny_pair(out / "fixtures", args.fixture, args.dtype)
+    if not (args.target and args.drafter):
+        ap.error("give --target and --drafter, or --fixture")
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.temps = [float(x) for x in args.temps.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    block = json.loads((Path(args.drafter) / "config.json").read_text()).get("block_size", 16)
+    k = args.dflash_k or block - 1
+    methods = []
+    wanted = args.methods.split(",")
+    if "ar" in wanted:
+        methods.append(("ar", None, 1))
+    if "dflash" in wanted:
+        methods.append(("dflash", {"method": "dflash", "model": str(args.drafter),
+                                   "num_speculative_tokens": k}, 1 + k))
+    if "ddtree" in wanted:
+        methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
+                                     "num_speculative_tokens": b}, 1 + b) for b in budgets]
+    prompts = load_prompts(args.prompts)
+    from tqdm import tqdm
+
+    rows: list[dict] = []
+    with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
+        for name, spec, width in methods:
+            bar.set_postfix_str(name)
+            rows += run_method(args, name, spec, width, prompts, bar)
+    add_ratios(rows)
+    meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype,
+                eager=args.eager, max_tokens=args.max_tokens, dflash_k=k)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out / "throughput.png")
+    print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
+          f"{'tok/s/req':>9} {'vs DFlash':>9} {'vs AR':>6}")
+    for r in rows:
+        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
+              f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
+              f"{f(r['vs_dflash']):>9} {f(r['vs_ar']):>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
