@@ -36,8 +36,8 @@ What it does
    cosine decay, bf16 autocast on GPU.
 5. Output (``--out``): ``config.json`` + ``model.safetensors`` (bf16, root-level z-lab
    names, ``dflash_config.{mask_token_id, target_layer_ids}``, ``block_size`` 16),
-   ``README.md`` (model card: data, steps, loss, held-out acceptance estimate),
-   ``training_log.json`` and ``heldout.txt`` (held-out document names).
+   ``README.md`` (model card: data, steps, loss, held-out acceptance estimate) and
+   ``training_log.json`` (arguments, loss curve, held-out document names).
 
 Mask token: ``<empty_output>`` (id 16), a StarCoder notebook marker the instruct model
 never emits.  Its embedding row is one that SmolLM2 never trained (ids 8, 10, 13, 15, 16
@@ -361,9 +361,11 @@ def tokenize_docs(tok, docs, max_tokens):
 def build_prompts(tok, docs, n, rng: random.Random, chat_frac, max_prompt_tokens):
     """``n`` prompts (token lists) from ``docs``: ``chat_frac`` ChatML instructions, the
     rest code prefixes to continue; returns (prompts, kinds)."""
-    from vllm_ddtree.smollm_data import chat_prompts, code_prompt
+    from vllm_ddtree.smollm_data import chat_prompts, code_prompt, prefetch_functions
 
     code_docs = [d for d in docs if d.source == "stdlib"] or docs
+    if n * chat_frac >= 500:
+        prefetch_functions(docs, min(16, os.cpu_count() or 1))
     prompts, kinds = [], []
     for _ in range(n):
         kind = "chat" if rng.random() < chat_frac else "code"
@@ -444,6 +446,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs)")
+    p.add_argument("--target-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--amp", action="store_true", help="bf16 autocast also on CPU (GPU: always)")
     p.add_argument("--tiny", action="store_true",
                    help="CI scale: few documents, short sequences, small batches")
@@ -454,12 +458,13 @@ def parse_args(argv):
     # data
     p.add_argument("--sources", default="stdlib,doc")
     p.add_argument("--max-docs", type=int, default=0, help="0 = all")
-    p.add_argument("--raw-tokens", type=int, default=20_000_000, help="cap on raw text tokens")
+    p.add_argument("--raw-tokens", type=int, default=10_000_000, help="cap on raw text tokens")
     p.add_argument("--gen-prompts", type=int, default=12288, help="self-distillation prompts")
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=1024)
     p.add_argument("--gen-minutes", type=float, default=0.0,
-                   help="stop starting generation batches after this long (0 = no limit)")
+                   help="stop starting generation batches after this long "
+                        "(default: 0.3 x --max-minutes, else no limit)")
     p.add_argument("--chat-frac", type=float, default=0.5)
     p.add_argument("--sample-frac", type=float, default=0.25,
                    help="share of generations sampled at T=1 (the rest greedy)")
@@ -515,7 +520,8 @@ def main(argv=None) -> int:
     target_dir = Path(args.target) if args.target else ensure_smollm()
     log(f"target {target_dir}")
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    t_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+               "bfloat16": torch.bfloat16, "float32": torch.float32}[args.target_dtype]
     amp = torch.bfloat16 if device.type == "cuda" or args.amp else None
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=t_dtype).to(device).eval()
     target.requires_grad_(False)
@@ -535,7 +541,6 @@ def main(argv=None) -> int:
     if args.max_docs:
         train_docs = train_docs[:args.max_docs]
         held_docs = held_docs[:max(4, args.max_docs // 10)]
-    (out_dir / "heldout.txt").write_text("".join(d.key + "\n" for d in held_docs))
     log(f"documents: {len(train_docs)} train, {len(held_docs)} held out "
         f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)")
     raw = tokenize_docs(tok, train_docs, args.raw_tokens)
@@ -548,7 +553,10 @@ def main(argv=None) -> int:
     temps = [1.0] * n_sample + [0.0] * (len(prompts) - n_sample)
     rng.shuffle(temps)
     t_gen = time.perf_counter()
-    gen_deadline = t_gen + args.gen_minutes * 60 if args.gen_minutes > 0 else None
+    gen_minutes = args.gen_minutes
+    if gen_minutes <= 0 and args.max_minutes > 0:
+        gen_minutes = 0.3 * args.max_minutes  # leave most of the budget to training
+    gen_deadline = t_gen + gen_minutes * 60 if gen_minutes > 0 else None
     seqs, starts, ran = generate(target, prompts, temps, args.gen_tokens, args.gen_batch, pad_id,
                                  eos_id, device, args.seed, gen_deadline, log)
     kinds = [kinds[i] for i in ran]
@@ -666,6 +674,7 @@ def main(argv=None) -> int:
         "target_tokens_seen": tokens_seen,
         "documents": {"train": len(train_docs), "heldout": len(held_docs),
                       "train_text_mb": round(sum(len(d.text) for d in train_docs) / 1e6, 2)},
+        "heldout_documents": [d.key for d in held_docs],
         "raw_tokens": int(raw.numel()),
         "self_distillation": {"sequences": len(seqs), "generated_tokens": gen_tokens,
                               "chat_prompts": kinds.count("chat"), "code_prompts": kinds.count("code"),
@@ -754,7 +763,7 @@ transformers {info['versions']['transformers']}, Python {info['versions']['pytho
 - **Data** (offline, no downloads): {info['documents']['train']} training documents
   ({info['documents']['train_text_mb']} MB: Python {info['versions']['python']} standard-library
   sources and `/usr/share/doc` text; {info['documents']['heldout']} documents held out by
-  `vllm_ddtree.smollm_data.is_heldout`, listed in `heldout.txt`).
+  `vllm_ddtree.smollm_data.is_heldout`, listed in `training_log.json`).
   Self-distillation: the target continued {sd['sequences']} prompts
   ({sd['code_prompts']} code prefixes, {sd['chat_prompts']} ChatML instructions;
   {sd['sampled_t1']} sampled at T = 1, the rest greedy; up to {a['gen_tokens']} new tokens):

@@ -21,6 +21,7 @@ Only the standard library is imported.
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import random
 import sysconfig
@@ -124,14 +125,17 @@ def code_prompt(doc: Doc, rng: random.Random, min_lines: int = 4, max_lines: int
 
 
 def _functions(text: str) -> list[tuple[str, str, str]]:
-    """(signature line, first docstring paragraph, source) of documented functions."""
+    """(signature, first docstring paragraph, source) of the documented public functions
+    and methods at module and class level (no nested functions)."""
     try:
         tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     lines = text.splitlines(keepends=True)
+    nodes = list(tree.body)
+    nodes += [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
     out = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
         doc = ast.get_docstring(node)
@@ -148,6 +152,30 @@ def _functions(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+_FUNCTIONS: dict[str, list[tuple[str, str, str]]] = {}
+
+
+def documented_functions(doc: Doc) -> list[tuple[str, str, str]]:
+    """:func:`_functions` of a stdlib document, cached by document."""
+    if doc.key not in _FUNCTIONS:
+        _FUNCTIONS[doc.key] = _functions(doc.text)
+    return _FUNCTIONS[doc.key]
+
+
+def prefetch_functions(docs: list[Doc], workers: int) -> None:
+    """Parse the stdlib documents in ``workers`` processes (``ast.parse`` dominates the
+    cost of building thousands of chat prompts)."""
+    todo = [d for d in docs if d.source == "stdlib" and d.key not in _FUNCTIONS]
+    if workers <= 1 or len(todo) < 64:
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers) as pool:
+        for d, fns in zip(todo, pool.map(_functions, [d.text for d in todo], chunksize=16)):
+            _FUNCTIONS[d.key] = fns
+
+
+@functools.lru_cache(maxsize=4096)
 def _paragraphs(text: str) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1500]
 
@@ -156,7 +184,7 @@ def chat_prompts(doc: Doc, rng: random.Random, k: int = 2) -> list[str]:
     """Up to ``k`` user messages (plain strings; apply the chat template yourself)."""
     msgs: list[str] = []
     if doc.source == "stdlib":
-        for sig, para, src in rng.sample(fns, min(k, len(fns))) if (fns := _functions(doc.text)) else []:
+        for sig, para, src in rng.sample(fns, min(k, len(fns))) if (fns := documented_functions(doc)) else []:
             if rng.random() < 0.5:
                 msgs.append(f"Write a Python function `{sig}`: {para}")
             else:

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Train the SmolLM2-135M DFlash drafter on a GPU machine without internet access.
+#
+# The GGUF (98.4 MB) is larger than what one transfer to such a machine may carry
+# (64 MiB), so it travels in two halves, in two calls run back to back:
+#
+#   here, once:   bash scripts/gpu_train_smollm.sh --prepare
+#                   -> .smol/gguf.part-aa, .smol/gguf.part-ab (halves of the GGUF) and
+#                      .whl/gguf-*.whl; both folders are added to .git/info/exclude
+#   GPU call 1:   bash scripts/gpu_train_smollm.sh          (carry .smol/gguf.part-aa)
+#                   -> stores the half in $SMOL_STAGE (default /root/smol) and exits
+#   GPU call 2:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ab, .whl)
+#                   -> joins and checks the GGUF (sha256), installs gguf if missing,
+#                      converts, trains (scripts/train_drafter.py --max-minutes
+#                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log
+#
+# model.safetensors (~23 MB) comes back split into 15 MiB parts (a returned file may not
+# exceed 16 MiB); rebuild it with: cat model.safetensors.part-* > model.safetensors
+# (model.safetensors.sha256 checks it).  A machine given back between the two calls loses
+# the first half: the second call then says so; run both again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_SIZE=98362432
+PY=${PYTHON:-python3}
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    src=$($PY -c "from vllm_ddtree.smollm import find_gguf; print(find_gguf())")
+    mkdir -p .smol .whl
+    rm -f .smol/gguf.part-*
+    split -n 2 -d -a 2 "$src" .smol/gguf.part-  # part-00, part-01
+    mv .smol/gguf.part-00 .smol/gguf.part-aa
+    mv .smol/gguf.part-01 .smol/gguf.part-ab
+    ls .whl/gguf-*.whl >/dev/null 2>&1 || $PY -m pip download -q --no-deps -d .whl "gguf==0.19.0"
+    for d in /.smol/ /.whl/; do
+        grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+    done
+    ls -l .smol .whl
+    exit 0
+fi
+
+STAGE=${SMOL_STAGE:-/root/smol}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$STAGE" "$OUT"
+for p in .smol/gguf.part-*; do
+    [[ -f "$p" ]] && cp "$p" "$STAGE/"
+done
+GGUF="$STAGE/$GGUF_NAME"
+if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
+    have=$(ls "$STAGE"/gguf.part-* 2>/dev/null | wc -l)
+    if [[ ! -f "$STAGE/gguf.part-aa" || ! -f "$STAGE/gguf.part-ab" ]]; then
+        echo "have $have of 2 GGUF halves in $STAGE: run again carrying the other half" \
+             "(.smol/gguf.part-aa first, then .smol/gguf.part-ab, back to back)"
+        exit 0
+    fi
+    cat "$STAGE/gguf.part-aa" "$STAGE/gguf.part-ab" > "$GGUF"
+fi
+echo "$GGUF_SHA256  $GGUF" | sha256sum -c -
+
+if ! $PY -c "import gguf" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/gguf-*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export VLLM_DDTREE_SMOLLM_GGUF="$GGUF" VLLM_DDTREE_SMOLLM_DIR="$STAGE/hf" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+set +e
+$PY scripts/train_drafter.py --out "$OUT/drafter" --max-minutes "${MAX_MINUTES:-8.5}" "$@" 2>&1 \
+    | grep --line-buffered -v -e "^Loading weights" -e "de-quantizing" | tee "$OUT/train.log"
+rc=${PIPESTATUS[0]}
+set -e
+if [[ -f "$OUT/drafter/model.safetensors" ]]; then
+    (cd "$OUT/drafter" && sha256sum model.safetensors > model.safetensors.sha256 \
+        && split -b 15M model.safetensors model.safetensors.part- && rm model.safetensors)
+fi
+ls -l "$OUT" "$OUT/drafter" 2>/dev/null || true
+exit "$rc"
