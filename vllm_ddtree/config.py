@@ -12,6 +12,9 @@ User-facing knobs, all inside ``--speculative-config``:
   and ``block_size``).
 * ``num_speculative_tokens``: the tree budget B (verified nodes per step).
 * ``ddtree_max_depth`` (optional): caps the tree depth D.
+* ``ddtree_adaptive_budget`` (optional, default false): B becomes the largest budget and
+  vLLM's per-batch-size draft count (``num_speculative_tokens_per_batch_size``) is set
+  from :mod:`vllm_ddtree.budget`'s cost model (big trees at small batches).
 
 The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After
 validation vLLM sees ``method="dflash"`` with ``num_speculative_tokens=B``;
@@ -34,6 +37,7 @@ BASE_METHOD = "dflash"
 MARKER_FIELD = "ddtree_enabled"
 DEPTH_FIELD = "ddtree_depth"
 MAX_DEPTH_FIELD = "ddtree_max_depth"
+ADAPTIVE_FIELD = "ddtree_adaptive_budget"
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ EXTRA_FIELDS: tuple[ExtraField, ...] = (
         int | None,
         None,
         "DDTree only: upper bound on the tree depth D (default: block_size - 1).",
+    ),
+    ExtraField(
+        ADAPTIVE_FIELD,
+        bool,
+        False,
+        "DDTree only: num_speculative_tokens is the largest tree budget and the budget "
+        "per batch size comes from vllm_ddtree.budget (vLLM's dynamic speculative "
+        "decoding schedule).",
     ),
     ExtraField(
         MARKER_FIELD,

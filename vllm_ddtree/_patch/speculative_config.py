@@ -105,13 +105,23 @@ def _make_post_init(original: Any) -> Any:
     @functools.wraps(original)
     def __post_init__(self: Any) -> Any:
         if not _wants_ddtree(self):
-            if getattr(self, ddcfg.MAX_DEPTH_FIELD, None) is not None:
-                raise ddcfg.DDTreeConfigError(
-                    f"speculative_config.{ddcfg.MAX_DEPTH_FIELD} is set but "
-                    f"method={self.method!r}: it only applies to method='ddtree'. "
-                    "Remove it or set method to 'ddtree'."
-                )
+            for name, unset in ((ddcfg.MAX_DEPTH_FIELD, None), (ddcfg.ADAPTIVE_FIELD, False)):
+                if getattr(self, name, unset) not in (unset,):
+                    raise ddcfg.DDTreeConfigError(
+                        f"speculative_config.{name} is set but method={self.method!r}: it "
+                        "only applies to method='ddtree'. Remove it or set method to 'ddtree'."
+                    )
             return original(self)
+        adaptive = getattr(self, ddcfg.ADAPTIVE_FIELD, False)
+        if adaptive is not False and adaptive is not True:
+            raise ddcfg.DDTreeConfigError(
+                f"speculative_config.{ddcfg.ADAPTIVE_FIELD}={adaptive!r} is invalid: use true "
+                "or false.")
+        if adaptive and getattr(self, "num_speculative_tokens_per_batch_size", None):
+            raise ddcfg.DDTreeConfigError(
+                f"speculative_config.{ddcfg.ADAPTIVE_FIELD}=true and "
+                "num_speculative_tokens_per_batch_size are both set: give one schedule "
+                "(the adaptive one is computed from num_speculative_tokens).")
         budget = ddcfg.check_num_speculative_tokens(self.num_speculative_tokens)
         max_depth = ddcfg.check_max_depth(getattr(self, ddcfg.MAX_DEPTH_FIELD, None))
         drafter = ddcfg.load_drafter_config(self.model)
@@ -126,7 +136,12 @@ def _make_post_init(original: Any) -> Any:
         result = original(self)
         if block_size is None:  # Hub id: validate the config vLLM fetched
             block_size = ddcfg.check_drafter(_draft_hf_dict(self), target, self.model)
-        setattr(self, ddcfg.DEPTH_FIELD, ddcfg.resolve_depth(budget, block_size, max_depth))
+        depth = ddcfg.resolve_depth(budget, block_size, max_depth)
+        setattr(self, ddcfg.DEPTH_FIELD, depth)
+        if adaptive:
+            from vllm_ddtree.budget import budget_schedule
+
+            self.num_speculative_tokens_per_batch_size = budget_schedule(budget, depth)
         return result
 
     return __post_init__
