@@ -107,3 +107,37 @@ def test_needs_chain():
     p = P()
     p.bad_words = ["x"]
     assert needs_chain(p) == "bad words"
+
+
+def test_fused_walk_kernel_matches_torch_walk():
+    """The one-launch Triton walk (TRITON_INTERPRET=1 on CPU) against the torch walk, on
+    a batch with a chain fallback, a cut tree, a draft-less request and deep matches."""
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+    for seed in range(3):
+        g, tb, tree, _, _ = _step(seed)
+        order = [5, 1, 0, 3]
+        n_logits = [B + 1, 1, 8, B + 1]
+        cu = torch.tensor([0] + torch.tensor(n_logits).cumsum(0).tolist(), dtype=torch.int32)
+        idx = torch.tensor(order, dtype=torch.int32)
+        targets = torch.randint(0, V, (int(cu[-1]),), generator=g)
+        for b in (0, 2, 3):  # follow the tree as deep as it goes at each request
+            s, cur = order[b], 0
+            toks, par = tb.walk_tokens[s].tolist(), tb.parents[s].tolist()
+            while True:
+                kids = [j for j in range(n_logits[b] - 1) if par[j] == cur and toks[j] >= 0]
+                if not kids:
+                    break
+                targets[cu[b] + cur] = toks[kids[0]]
+                cur = kids[0] + 1
+        ref_sampled, ref = tb.walk(targets, cu, idx, 4, impl="torch")
+        got_sampled, got = tb.walk(targets, cu, idx, 4, impl="triton")
+        assert torch.equal(got_sampled, ref_sampled)
+        assert torch.equal(got.num_accepted, ref.num_accepted)
+        assert torch.equal(got.path, ref.path)
+        assert torch.equal(got.src_logit_row, ref.src_logit_row)
+        assert int(ref.num_accepted.max()) >= 3

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.kernels.verify_rows import causal_words, fill_tree_rows
+from vllm_ddtree.kernels.verify_rows import causal_words, fill_tree_rows, walk_verify
 from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree
 
 
@@ -111,12 +111,22 @@ class TreeBuffers:
                        self.depth, self.row_bits, self.rope, num_reqs)
 
     def walk(self, targets: torch.Tensor, cu_num_logits: torch.Tensor,
-             idx_mapping: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, Accepted]:
+             idx_mapping: torch.Tensor, num_reqs: int,
+             impl: str = "auto") -> tuple[torch.Tensor, Accepted]:
         """``targets [num_logits]``: the target's token at every logits row.
 
         Returns ``sampled [n, 1 + B]`` (the accepted nodes' tokens then the bonus token,
         -1 padded) and the :class:`Accepted` record (also kept for the drafter).
+        ``impl``: "torch" (reference), "triton" (one fused kernel), "auto" (Triton on
+        CUDA).
         """
+        if impl == "triton" or (impl == "auto" and targets.is_cuda and _has_triton()):
+            sampled, path, num_acc, src = walk_verify(
+                targets, cu_num_logits, idx_mapping, self.walk_tokens, self.parents, self.D,
+                num_reqs)
+            acc = Accepted(path, num_acc, src, num_reqs)
+            self.accepted = acc
+            return sampled, acc
         n, W, dev = num_reqs, self.W, targets.device
         L = targets.shape[0]
         cu = cu_num_logits[: n + 1].long()
@@ -149,6 +159,14 @@ class TreeBuffers:
     def take_accepted(self) -> Accepted | None:
         acc, self.accepted = self.accepted, None
         return acc
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def needs_chain(sampling_params) -> str | None:

@@ -196,3 +196,64 @@ class KVCompactor:
             num_accepted, path.stride(0), c0.stride(0), c0.stride(1), c0.stride(2),
             HEAD2=width, ROW=row, BLOCK_SIZE=c0.shape[1],
             BLOCK_E=min(4096, triton.next_power_of_2(row)), num_warps=4)
+
+
+# --------------------------------------------------------------------------- fused walk
+
+if triton is not None:
+
+    @triton.jit
+    def _walk_kernel(TGT, CU, IDX, WTOK, PAR, SAMPLED, PATH, NACC, SRC,
+                     s_wt, s_par, s_sam, s_path,
+                     B: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                     BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+        b = tl.program_id(0)
+        c0 = tl.load(CU + b).to(tl.int64)
+        nlog = tl.load(CU + b + 1).to(tl.int64) - c0
+        s = tl.load(IDX + b).to(tl.int64)
+        j = tl.arange(0, BLOCK_B)
+        live = j < tl.minimum(nlog - 1, B)  # scheduled nodes only
+        tok = tl.load(WTOK + s * s_wt + j, mask=live, other=-1)
+        par = tl.load(PAR + s * s_par + j, mask=live, other=-1)
+        cols = tl.arange(0, BLOCK_W)
+        path = tl.where(cols == 0, 0, -1).to(tl.int64)
+        cur = tl.zeros((), tl.int64)
+        k = tl.zeros((), tl.int64)
+        for _ in range(D):
+            t = tl.load(TGT + c0 + cur)
+            hit = live & (par == cur) & (tok == t) & (tok >= 0)
+            nxt = tl.min(tl.where(hit, j, BLOCK_B), axis=0)
+            found = nxt < BLOCK_B
+            cur = tl.where(found, nxt.to(tl.int64) + 1, cur)
+            k = tl.where(found, k + 1, k)
+            path = tl.where(found & (cols == k), cur, path)
+        n_acc = k + 1
+        tl.store(NACC + b, n_acc)
+        tl.store(PATH + b * s_path + cols, path, mask=cols < D + 1)
+        on = cols < n_acc
+        row = tl.where(on, path, 0)
+        sam = tl.load(TGT + c0 + row, mask=on, other=-1)
+        tl.store(SAMPLED + b * s_sam + cols, tl.where(on, sam, -1), mask=cols < W)
+        src = tl.where(on, c0 + row, c0 + cols)
+        tl.store(SRC + c0 + cols, src, mask=cols < nlog)
+
+
+def walk_verify(targets, cu_num_logits, idx_mapping, walk_tokens, parents, depth: int,
+                num_reqs: int):
+    """Fused walk for :meth:`vllm_ddtree.gpu.state.TreeBuffers.walk` (same outputs):
+    ``sampled [n, 1 + B]``, ``path [n, D + 1]``, ``num_accepted [n]``, ``src [L]``."""
+    B = walk_tokens.shape[1]
+    W = B + 1
+    L = targets.shape[0]
+    dev = targets.device
+    sampled = torch.empty((num_reqs, W), dtype=torch.int64, device=dev)
+    path = torch.empty((num_reqs, depth + 1), dtype=torch.int64, device=dev)
+    nacc = torch.empty((num_reqs,), dtype=torch.int64, device=dev)
+    src = torch.empty((L,), dtype=torch.int64, device=dev)
+    if num_reqs:
+        _walk_kernel[(num_reqs,)](
+            targets, cu_num_logits, idx_mapping, walk_tokens, parents, sampled, path, nacc,
+            src, walk_tokens.stride(0), parents.stride(0), sampled.stride(0), path.stride(0),
+            B=B, D=depth, W=W, BLOCK_B=triton.next_power_of_2(B),
+            BLOCK_W=triton.next_power_of_2(W), num_warps=4)
+    return sampled, path, nacc, src
