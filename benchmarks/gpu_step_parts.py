@@ -15,32 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core_gpu import _time  # noqa: E402  (CUDA-event median timer shared by the benchmarks)
+
 from vllm_ddtree.gpu.state import TreeBuffers
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
-from vllm_ddtree.kernels.verify_rows import KVCompactor, fill_tree_rows, walk_verify
+from vllm_ddtree.kernels.verify_rows import KVCompactor, walk_verify
 from vllm_ddtree.tree import build_tree
 
 V, D, LAYERS, HQ, HKV, HD, PREFIX, BS = 151936, 15, 36, 32, 8, 128, 1024, 16
 
 
-def timed(fn, reps=30, warm=5):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+def timed(fn):
+    return _time(fn, iters=30)
 
 
 def graphed(fn):
