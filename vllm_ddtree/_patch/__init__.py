@@ -109,6 +109,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner._input_fits_in_drafter",
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner.effective_drafter_max_model_len",
             "vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache",
             "vllm.v1.worker.gpu_model_runner:GPUModelRunner.positions",
             "vllm.v1.spec_decode.dflash:DFlashProposer.propose",

@@ -72,6 +72,17 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                 if name not in draft and hasattr(layer, "impl"))
         return self._ddtree_target_layers
 
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """vLLM zeroes the drafts of the whole batch once a request is within
+        ``num_speculative_tokens + 1`` (here ``B + 1``) positions of max_model_len.  The
+        DDTree drafter queries only ``1 + D`` positions (the tree depth), so only those
+        must fit; near the end the scheduler cuts each tree to the slots left (a prefix
+        of a topological order is a tree)."""
+        if common_attn_metadata is None:
+            return False
+        return (common_attn_metadata.max_seq_len + self.drafter.depth + 1
+                <= self.effective_drafter_max_model_len)
+
     # -- step ----------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         ret = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
