@@ -30,8 +30,10 @@ def _chain(reason: str) -> bool:
     if reason not in _logged:
         _logged.add(reason)
         _logger.warning(
-            "vllm-ddtree: a batch with %s is verified as a linear chain by vLLM's rejection "
-            "sampler (exact for greedy, fewer accepted tokens); logged once per reason.",
+            "vllm-ddtree: a batch with %s is not verified as a tree: greedy batches as a "
+            "linear chain by vLLM's rejection sampler (exact, fewer accepted tokens), "
+            "sampled (T > 0) batches accept no drafts and sample exactly as without "
+            "speculation; logged once per reason.",
             reason)
     return False
 
@@ -42,8 +44,10 @@ def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> boo
     Each node's target token is drawn from that node's own distribution (temperature,
     top-k, top-p, min-p, per-request seeds).  Features whose state depends on the
     generated prefix or that report per-token values (logprobs, penalties, bad words,
-    allowed-token masks, logit bias, min-tokens, other logits processors, grammars) are
-    verified as a linear chain by vLLM's own rejection sampler instead (logged once).
+    allowed-token masks, logit bias, min-tokens, other logits processors, grammars) make
+    the batch fall back (logged once): greedy batches are verified as a linear chain by
+    vLLM's own rejection sampler, sampled batches accept no drafts and draw one token per
+    request with vLLM's sampler (``DDTreeCPUModelRunner._sample_roots``).
     """
     sm = sampling_metadata
     if has_structured_output:
