@@ -105,9 +105,33 @@ def ddtree(pair):
               for s in range(8)]
     runs = [[o.outputs[0].token_ids for o in llm.generate(["hi"] * 8, seeded, use_tqdm=False)]
             for _ in range(2)]
-    yield out, m, runs
+    yield out, m, runs, _stop_runs(llm)
     del llm
     gc.collect()
+
+
+STOP_SEEDS = range(100, 108)
+
+
+def _stop_runs(llm):
+    """Per seed, one request at a time (batch of one, so trees and draws do not depend on
+    other requests): the full sample, then the same seeded request with a stop token
+    and with a stop string.  Plus the accepted-per-draft ratio of these runs."""
+    def one(**kw):
+        sp = SamplingParams(temperature=1.0, top_k=3, max_tokens=24, ignore_eos=True, **kw)
+        c = llm.generate(["hi"], sp, use_tqdm=False)[0].outputs[0]
+        return list(c.token_ids), c.text, c.finish_reason, c.stop_reason
+
+    before = _spec_counts(llm)
+    runs = [(one(seed=s), one(seed=s, stop_token_ids=[TOKEN_B]), one(seed=s, stop=["ab"]))
+            for s in STOP_SEEDS]
+    after = _spec_counts(llm)
+    return runs, (after[1] - before[1]) / max(1, after[0] - before[0])
+
+
+def _spec_counts(llm):
+    m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
+    return m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
 
 
 def test_power_check_rejects_a_biased_sampler(reference):
@@ -115,25 +139,56 @@ def test_power_check_rejects_a_biased_sampler(reference):
 
 
 def test_trees_accept_at_t1(ddtree):
-    _, m, _ = ddtree
+    _, m, _, _ = ddtree
     # several accepted tokens per step: the draws really went through trees
     assert m["vllm:spec_decode_num_accepted_tokens"] > 1.5 * m["vllm:spec_decode_num_drafts"]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_distribution_equals_no_speculation(reference, ddtree, name):
-    out, _, _ = ddtree
+    out, _, _, _ = ddtree
     assert _min_p_value(out[name], reference[name]) > P_MIN
 
 
 def test_filters_applied_per_node(ddtree):
-    out, _, _ = ddtree
+    out, _, _, _ = ddtree
     for name in ("top_k", "top_p"):  # each keeps exactly {a, b} here
         assert {t for s in out[name] for t in s} == {TOKEN_A, TOKEN_B}, name
     assert TOKEN_C in {t for s in out["t1"] for t in s}
 
 
 def test_seeded_requests_reproducible(ddtree):
-    _, _, (first, second) = ddtree
+    _, _, (first, second), _ = ddtree
     assert first == second
     assert len({tuple(s) for s in first}) > 1  # different seeds, different samples
+
+
+def test_stops_cut_accepted_paths_exactly(ddtree):
+    """Seeded T = 1 with several tokens accepted per step: a stop token / stop string
+    inside an accepted path ends the output exactly there.  (Seeded tree sampling draws
+    differently from no speculation, so the reference is the same seeded request
+    without the stop.)"""
+    _, _, _, (runs, accepted_per_draft) = ddtree
+    assert accepted_per_draft > 1.5  # the stops fall inside multi-token paths
+    mid = 0
+    for (full, _, finish, _), by_token, by_string in runs:
+        assert finish == "length" and len(full) == 24
+        if TOKEN_B in full:
+            cut = full.index(TOKEN_B) + 1
+            mid += 2 <= cut < 24
+            assert by_token == (full[:cut], full_text(full[:cut - 1]), "stop", TOKEN_B)
+        else:
+            assert by_token[0] == full and by_token[2] == "length"
+        text = full_text(full)
+        if "ab" in text:
+            k = text.index("ab")
+            assert by_string == (full[:k + 2], text[:k], "stop", "ab")
+        else:
+            assert by_string[0] == full and by_string[2] == "length"
+    assert mid >= 4  # most seeds really stopped inside the output
+
+
+def full_text(ids):
+    """Top-k 3 keeps the fixture's bytes a, b, c: one character per token."""
+    assert all(t in (TOKEN_A, TOKEN_B, TOKEN_C) for t in ids), ids
+    return bytes(ids).decode()
