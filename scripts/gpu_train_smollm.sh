@@ -8,7 +8,9 @@
 #                   -> .smol/gguf.part-aa, .smol/gguf.part-ab (halves of the GGUF) and
 #                      .whl/gguf-*.whl; both folders are added to .git/info/exclude
 #   GPU call 1:   bash scripts/gpu_train_smollm.sh          (carry .smol/gguf.part-aa)
-#                   -> stores the half in $SMOL_STAGE (default /root/smol) and exits
+#                   -> stores the half in $SMOL_STAGE (default /root/smol), runs the trainer
+#                      for 20 steps on the repo's tiny random target as a CUDA smoke test
+#                      (~30 s; SMOKE=0 skips it) and exits
 #   GPU call 2:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ab, .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
 #                      converts, trains (scripts/train_drafter.py --max-minutes
@@ -52,6 +54,16 @@ if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
     if [[ ! -f "$STAGE/gguf.part-aa" || ! -f "$STAGE/gguf.part-ab" ]]; then
         echo "have $have of 2 GGUF halves in $STAGE: run again carrying the other half" \
              "(.smol/gguf.part-aa first, then .smol/gguf.part-ab, back to back)"
+        if [[ "${SMOKE:-1}" == 1 ]]; then
+            # Meanwhile, the whole trainer on this GPU with the repo's tiny random Qwen3
+            # target (no GGUF needed, ~30 s): CUDA problems show up before the real run.
+            tgt=$($PY -c "from vllm_ddtree.fixtures import make_tiny_pair as m; print(m('/tmp/fx', 'random', 'bfloat16')[0])")
+            PYTHONUNBUFFERED=1 $PY scripts/train_drafter.py --out /tmp/smoke-drafter --target "$tgt" \
+                --mask-id 259 --max-docs 200 --raw-tokens 200000 --gen-prompts 64 --gen-tokens 32 \
+                --eval-prompts 16 --batch 16 --seq-len 256 --anchors 8 --steps 20 --log-every 5 \
+                --max-minutes 2 2>&1 | tail -n 12
+            echo "smoke exit status ${PIPESTATUS[0]}"
+        fi
         exit 0
     fi
     cat "$STAGE/gguf.part-aa" "$STAGE/gguf.part-ab" > "$GGUF"

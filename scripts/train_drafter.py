@@ -251,7 +251,7 @@ def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Genera
     label (anchors ``a`` satisfy ``starts[b]-1 <= a <= len-2``, ``a >= 1``).
     Returns a dict of tensors on ``device``."""
     B, bs = len(seqs), BLOCK_SIZE
-    S = max(len(s) for s in seqs)
+    S = -(-max(len(s) for s in seqs) // 16) * 16  # aligned key length for fused SDPA kernels
     ids = torch.full((B, S), pad_id, dtype=torch.long)
     lens = torch.tensor([len(s) for s in seqs])
     anchors = torch.zeros(B, anchors_per_seq, dtype=torch.long)
@@ -317,9 +317,10 @@ class Trainer:
             src = (batch["lab_pos"] - 1).clamp(min=0).flatten(1)
             h = torch.gather(out.last_hidden_state, 1,
                              src[..., None].expand(-1, -1, out.last_hidden_state.shape[-1]))
-            lab = torch.empty(B, N * bs, dtype=torch.long, device=self.device)
-            for c in range(0, N * bs, 4096):  # bound the logits' memory
-                lab[:, c:c + 4096] = F.linear(h[:, c:c + 4096], self.head_w).argmax(-1)
+            h = h.flatten(0, 1)
+            lab = torch.empty(h.shape[0], dtype=torch.long, device=self.device)
+            for c in range(0, h.shape[0], 8192):  # bound the logits' memory
+                lab[c:c + 8192] = F.linear(h[c:c + 8192], self.head_w).argmax(-1)
             lab = lab.view(B, N, bs)
         return feats, lab
 
@@ -455,6 +456,7 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--gamma", type=float, default=7.0, help="depth decay of the loss")
+    p.add_argument("--mask-id", type=int, help=f"mask token id (default: {MASK_TOKEN}'s)")
     # data
     p.add_argument("--sources", default="stdlib,doc")
     p.add_argument("--max-docs", type=int, default=0, help="0 = all")
@@ -477,7 +479,7 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     p.add_argument("--raw-frac", type=float, default=0.25, help="share of raw-text sequences")
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--init-std", type=float, default=0.02)
@@ -526,7 +528,9 @@ def main(argv=None) -> int:
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=t_dtype).to(device).eval()
     target.requires_grad_(False)
     tcfg = json.loads((target_dir / "config.json").read_text())
-    mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
+    mask_id = args.mask_id if args.mask_id is not None else tok.convert_tokens_to_ids(MASK_TOKEN)
+    if mask_id is None or not 0 <= mask_id < int(tcfg["vocab_size"]):
+        raise SystemExit(f"no mask token: {MASK_TOKEN} is not in the tokenizer; pass --mask-id")
     pad_id = eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
@@ -674,12 +678,14 @@ def main(argv=None) -> int:
         "target_tokens_seen": tokens_seen,
         "documents": {"train": len(train_docs), "heldout": len(held_docs),
                       "train_text_mb": round(sum(len(d.text) for d in train_docs) / 1e6, 2)},
+        "mask_token": tok.convert_ids_to_tokens(mask_id),
         "heldout_documents": [d.key for d in held_docs],
         "raw_tokens": int(raw.numel()),
         "self_distillation": {"sequences": len(seqs), "generated_tokens": gen_tokens,
                               "chat_prompts": kinds.count("chat"), "code_prompts": kinds.count("code"),
                               "sampled_t1": n_sample, "seconds": round(gen_s, 1)},
         "heldout_eval": ev, "history": history,
+        "heldout_eval_prompts": eval_prompts,  # token ids, for acceptance benchmarks
         "parameters": n_params,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
@@ -733,6 +739,8 @@ def model_card(cfg: dict, info: dict) -> str:
     hist = info["history"]
     first, last = (hist[0], hist[-1]) if hist else ({}, {})
     dc = cfg["dflash_config"]
+    mask_note = (": a notebook marker the instruct model never emits, with an untrained embedding row"
+                 if info["mask_token"] == MASK_TOKEN else "")
     return f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -752,7 +760,7 @@ published z-lab format: vLLM loads it with
 | architecture | `DFlashDraftModel` (Qwen3-style layers), hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']} |
 | parameters | {info['parameters'] / 1e6:.2f} M (bf16); embedding and LM head are the target's |
 | `target_layer_ids` | {dc['target_layer_ids']} of {cfg['num_target_layers']} (DFlash's rule, spread over [1, L-3]) |
-| mask token | `{MASK_TOKEN}` (id {dc['mask_token_id']}): a notebook marker the instruct model never emits, with an untrained embedding row |
+| mask token | `{info['mask_token']}` (id {dc['mask_token_id']}){mask_note} |
 | block size | {cfg['block_size']} (15 drafted tokens per step) |
 
 ## Training
