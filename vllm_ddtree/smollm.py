@@ -49,9 +49,9 @@ ENV_GGUF = "VLLM_DDTREE_SMOLLM_GGUF"
 MAX_MODEL_LEN = 8192
 
 INSTALL_HINT = (
-    f"install the {DIST_NAME} wheel and gguf (`pip install {DIST_NAME} gguf`; "
-    "scripts/setup-cpu.sh does), or point "
-    f"{ENV_GGUF} at a copy of {GGUF_NAME}"
+    f"install gguf and the {DIST_NAME} wheel (`pip install gguf && pip install --no-deps "
+    f"{DIST_NAME}==0.1.2`; scripts/setup-cpu.sh does), or point {ENV_GGUF} at a copy of "
+    f"{GGUF_NAME}"
 )
 
 
