@@ -110,10 +110,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                               aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
         if not dummy:
             n = input_batch.num_reqs
-            flags = self.tree.chain_flag
-            chain_rows = [b for b, s in enumerate(input_batch.idx_mapping_np[:n]) if flags[s]]
-            if chain_rows:
-                rows = torch.from_numpy(np.asarray(chain_rows, dtype=np.int64)).to(
+            chain_rows = np.flatnonzero(self.tree.chain_flag[input_batch.idx_mapping_np[:n]])
+            if chain_rows.size:  # host flags only: no device read
+                # pinned + non_blocking: an asynchronous copy (pageable memory would sync)
+                rows = torch.from_numpy(chain_rows.astype(np.int64)).pin_memory().to(
                     self.device, non_blocking=True)
                 self.tree.apply_chain_fallback(rows, self.draft_tokens)
             self.tree.commit(input_batch.idx_mapping, n)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_ddtree.kernels.verify_rows import causal_words, fill_tree_rows, walk_verify
@@ -64,7 +65,7 @@ class TreeBuffers:
         self.row_bits = torch.zeros((max_num_tokens, NW), dtype=torch.int32, **kw)
         self.rope = torch.zeros(max_num_tokens, dtype=torch.int64, **kw)
         # host-side per-state flags: verify this request as a chain
-        self.chain_flag = [False] * S
+        self.chain_flag = np.zeros(S, dtype=bool)
         self.step_has_trees = False
         self.accepted: Accepted | None = None
         self.draft_layer_names: frozenset[str] = frozenset()
