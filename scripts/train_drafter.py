@@ -517,7 +517,22 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_ddtree.smollm import ensure_smollm
-    from vllm_ddtree.smollm_data import is_heldout, iter_documents
+    from vllm_ddtree.smollm_data import is_heldout, iter_documents, prefetch_functions
+
+    # ---- data (documents first: the parsing workers fork before CUDA or tokenizer threads)
+    docs = list(iter_documents(tuple(args.sources.split(","))))
+    train_docs = [d for d in docs if not is_heldout(d)]
+    held_docs = [d for d in docs if is_heldout(d)]
+    rng = random.Random(args.seed)
+    rng.shuffle(train_docs)
+    if args.max_docs:
+        train_docs = train_docs[:args.max_docs]
+        held_docs = held_docs[:max(4, args.max_docs // 10)]
+    log(f"documents: {len(train_docs)} train, {len(held_docs)} held out "
+        f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)")
+    if args.gen_prompts * args.chat_frac >= 500:
+        prefetch_functions(train_docs + held_docs, min(16, os.cpu_count() or 1))
+        log("parsed the standard-library functions for chat prompts")
 
     target_dir = Path(args.target) if args.target else ensure_smollm()
     log(f"target {target_dir}")
@@ -534,19 +549,9 @@ def main(argv=None) -> int:
     pad_id = eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
-    log(f"drafter: {args.layers} layers, target_layer_ids {layer_ids}, mask {MASK_TOKEN} = {mask_id}")
+    log(f"drafter: {args.layers} layers, target_layer_ids {layer_ids}, "
+        f"mask {tok.convert_ids_to_tokens(mask_id)} = {mask_id}")
 
-    # ---- data
-    docs = list(iter_documents(tuple(args.sources.split(","))))
-    train_docs = [d for d in docs if not is_heldout(d)]
-    held_docs = [d for d in docs if is_heldout(d)]
-    rng = random.Random(args.seed)
-    rng.shuffle(train_docs)
-    if args.max_docs:
-        train_docs = train_docs[:args.max_docs]
-        held_docs = held_docs[:max(4, args.max_docs // 10)]
-    log(f"documents: {len(train_docs)} train, {len(held_docs)} held out "
-        f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)")
     raw = tokenize_docs(tok, train_docs, args.raw_tokens)
     raw_ok = raw != mask_id
     log(f"raw text: {raw.numel()} tokens")
