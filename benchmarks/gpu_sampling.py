@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-from collections import Counter
 from pathlib import Path
 
 CONFIGS = {"t1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=2),
@@ -26,23 +25,9 @@ CONFIGS = {"t1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=2),
 TOKENS, P_MIN = 4, 1e-3
 
 
-def p_value(xs, ys):
-    from scipy.stats import chi2_contingency
-
-    cx, cy = Counter(xs), Counter(ys)
-    table, rare = [], [0, 0]
-    for c in sorted(set(cx) | set(cy), key=lambda c: -(cx[c] + cy[c])):
-        if cx[c] + cy[c] >= 20:
-            table.append([cx[c], cy[c]])
-        else:
-            rare[0] += cx[c]
-            rare[1] += cy[c]
-    if sum(rare):
-        table.append(rare)
-    return 1.0 if len(table) < 2 else chi2_contingency(list(zip(*table)))[1]
-
-
 def min_p(a, b):
+    from vllm_ddtree.stats import two_sample_p_value as p_value
+
     ps = [p_value([s[i] for s in a], [s[i] for s in b]) for i in range(TOKENS)]
     ps.append(p_value([(s[1], s[2]) for s in a], [(s[1], s[2]) for s in b]))
     return min(ps)

