@@ -49,3 +49,15 @@ def test_top_k_top_p_torch_masks():
     assert torch.isinf(top_k_top_p_torch(x.clone(), torch.tensor([2]), None)[0, [0, 3]]).all()
     y = top_k_top_p_torch(x.clone(), None, torch.tensor([0.5]))
     assert torch.isfinite(y[0, 1]) and torch.isinf(y[0, [0, 3]]).all()
+
+
+def test_keyed_generator_depends_only_on_seed_and_position():
+    from vllm_ddtree.tree.sampling import keyed_generator
+
+    def draw(seed, pos):
+        return torch.rand(4, generator=keyed_generator(seed, pos))
+
+    assert torch.equal(draw(7, 100), draw(7, 100))  # no hidden stream state
+    assert not torch.equal(draw(7, 100), draw(7, 101))
+    assert not torch.equal(draw(7, 100), draw(8, 100))
+    assert not torch.equal(draw(0, 1), draw(1, 0))

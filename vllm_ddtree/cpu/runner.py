@@ -28,7 +28,7 @@ from vllm_ddtree.config import is_ddtree
 from vllm_ddtree.cpu import active
 from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, min_p_of, tree_eligible
 from vllm_ddtree.proposer.state import VerifyRequest, VerifyStep, walk_lists
-from vllm_ddtree.tree.sampling import sample_rows
+from vllm_ddtree.tree.sampling import keyed_generator, sample_rows
 
 
 _logger = get_logger(__name__)
@@ -139,7 +139,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
     def _verify_tree(self, step, logits, meta) -> SamplerOutput:
         num_reqs = self.input_batch.num_reqs
         ends = meta.cu_num_sampled_tokens.tolist()
-        targets = self._node_tokens(logits, ends, num_reqs).tolist()
+        targets = self._node_tokens(logits, ends, num_reqs, meta).tolist()
         trees = {req.index: req for req in step.requests}
         out = torch.full((num_reqs, meta.max_spec_len + 1), -1, dtype=torch.int32)
         paths: dict[int, tuple[int, list[int]]] = {}
@@ -195,9 +195,15 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                                  grid(lp.selected_token_ranks))
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=lp)
 
-    def _node_tokens(self, logits, ends, num_reqs) -> torch.Tensor:
+    def _node_tokens(self, logits, ends, num_reqs, meta) -> torch.Tensor:
         """The target's own token at every verify row, drawn with its request's
-        sampling parameters (argmax for greedy requests)."""
+        sampling parameters (argmax for greedy requests).
+
+        A seeded request's noise at a row is keyed by (seed, the row's tree position),
+        not drawn from its generator's stream: how many rows a step verifies depends on
+        the batch (async-scheduling placeholders, budgets, co-scheduled requests), so a
+        stream would make seeded outputs depend on timing.  Each position's token is
+        still drawn once along the accepted path, from fresh noise: exact sampling."""
         sm = self.input_batch.sampling_metadata
         if sm.all_greedy:
             return logits.argmax(dim=-1)
@@ -207,9 +213,12 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         rows_of = lambda t: None if t is None else t[:num_reqs].repeat_interleave(counts)  # noqa: E731
         min_p = min_p_of(sm, num_reqs)
         gens = {}
-        for i, gen in sm.generators.items():  # a request's seeded generator, row by row
-            for row in range(ends[i] - int(counts[i]), ends[i]):
-                gens[row] = gen
+        if sm.generators:
+            pos = self.positions[meta.logits_indices.long()].tolist()
+            for i, gen in sm.generators.items():
+                seed = gen.initial_seed()
+                for row in range(ends[i] - int(counts[i]), ends[i]):
+                    gens[row] = keyed_generator(seed, pos[row])
         return sample_rows(logits.float(), rows_of(sm.temperature), rows_of(sm.top_k),
                            rows_of(sm.top_p), rows_of(min_p), gens,
                            top_k_top_p=lambda x, k, p: apply_top_k_top_p(x.clone(), k, p))

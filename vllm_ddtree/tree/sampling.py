@@ -64,3 +64,9 @@ def sample_rows(
         q[row].exponential_(generator=gen)
     drawn = (probs / q).argmax(dim=-1)
     return torch.where(temperature < _EPS, greedy, drawn)
+
+
+def keyed_generator(seed: int, position: int) -> torch.Generator:
+    """A CPU generator whose state depends only on (request seed, token position)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
+    return torch.Generator().manual_seed(mixed)
