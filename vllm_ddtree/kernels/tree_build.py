@@ -9,8 +9,6 @@ small torch kernels with one launch.  Used for widths whose sorts fit one progra
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
