@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_ddtree.kernels.verify_rows import causal_words, fill_tree_rows, walk_verify
+from vllm_ddtree.kernels.verify_rows import (causal_words, fill_tree_rows, use_triton,
+                                             walk_verify)
 from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree
 
 
@@ -121,7 +122,7 @@ class TreeBuffers:
         ``impl``: "torch" (reference), "triton" (one fused kernel), "auto" (Triton on
         CUDA).
         """
-        if impl == "triton" or (impl == "auto" and targets.is_cuda and _has_triton()):
+        if use_triton(impl, targets):
             sampled, path, num_acc, src = walk_verify(
                 targets, cu_num_logits, idx_mapping, self.walk_tokens, self.parents, self.D,
                 num_reqs)
@@ -160,14 +161,6 @@ class TreeBuffers:
     def take_accepted(self) -> Accepted | None:
         acc, self.accepted = self.accepted, None
         return acc
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def needs_chain(sampling_params) -> str | None:

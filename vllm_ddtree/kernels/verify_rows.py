@@ -29,6 +29,11 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
+def use_triton(impl: str, tensor: torch.Tensor) -> bool:
+    """``impl``: "triton", "torch" (the reference) or "auto" (Triton on CUDA tensors)."""
+    return impl == "triton" or (impl == "auto" and triton is not None and tensor.is_cuda)
+
+
 def causal_words(local: torch.Tensor, num_words: int) -> torch.Tensor:
     """``[N, num_words]`` int32 bits ``{0..local}`` (a causal row)."""
     w = torch.arange(num_words, device=local.device) * 32
@@ -93,9 +98,7 @@ def fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, bits_by_s
     positions (only tree rows are rewritten).  No host sync: ``num_reqs`` is a host int."""
     if num_reqs == 0:
         return
-    use_triton = impl == "triton" or (impl == "auto" and triton is not None
-                                      and positions.is_cuda)
-    if not use_triton:
+    if not use_triton(impl, positions):
         return fill_tree_rows_torch(query_start, cu_num_logits, idx_mapping, positions,
                                     bits_by_state, depth_by_state, out_bits, out_positions,
                                     num_reqs)
@@ -170,8 +173,7 @@ class KVCompactor:
         for c in caches:
             if c.shape != c0.shape or c.stride() != c0.stride() or c.dtype != c0.dtype:
                 raise ValueError("KVCompactor: layer caches differ in shape/stride/dtype")
-        self.use_triton = impl == "triton" or (impl == "auto" and triton is not None
-                                               and c0.is_cuda)
+        self.use_triton = use_triton(impl, c0)
         if self.use_triton:
             esz = c0.element_size()
             deltas = [c.data_ptr() - c0.data_ptr() for c in caches]
