@@ -133,13 +133,13 @@ def close(llm):
 
 
 def run(name, target, drafter, out, max_tokens=64, batches=(1, 32), budgets=(15, 60),
-        max_id=990):
+        max_id=990, dflash=True):
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, max_id) for _ in range(rnd.randrange(16, 64))] for _ in range(32)]
     ref_llm = engine(target, logprobs_mode="raw_logits")
     ref = {n: generate(ref_llm, prompts[:n], max_tokens) for n in batches}
     rows = []
-    configs = [("dflash", 15)] + [("ddtree", b) for b in budgets]
+    configs = [("dflash", 15)] * dflash + [("ddtree", b) for b in budgets]
     for method, k in configs:
         spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
         llm = engine(target, spec, width=k + 1)
@@ -172,7 +172,13 @@ def main():
     ap.add_argument("--out", default="gpu-random")
     ap.add_argument("--shaped", action="store_true")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--budgets", default=None, help="DDTree budgets (default: tiny "
+                    "15,60,240; shaped 15,60)")
+    ap.add_argument("--no-dflash", action="store_true", help="skip vLLM's DFlash control rows")
     args = ap.parse_args()
+    kw = dict(dflash=not args.no_dflash)
+    if args.budgets:
+        kw["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -180,10 +186,10 @@ def main():
         from vllm_ddtree.fixtures import make_tiny_pair
 
         t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
-        rows += run("tiny-random", t, d, out, budgets=(15, 60, 240), max_id=250)
+        rows += run("tiny-random", t, d, out, max_id=250, **{"budgets": (15, 60, 240), **kw})
     if args.shaped:
         t, d = gen_shaped(Path(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random")))
-        rows += run("qwen3-2048x24-random", t, d, out)
+        rows += run("qwen3-2048x24-random", t, d, out, **kw)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     print("\nmodel                 method  k   batch identical near-tie/mismatch  max-ulps  "
           " tau  ms/step  ms/step(no spec)")

@@ -44,8 +44,7 @@ def graphed(fn):
     return g.replay
 
 
-def case(R, B):
-    dev = "cuda"
+def case(R, B, dev="cuda"):
     W = B + 1
     tb = TreeBuffers(max(R, 1), 8192, B, D, dev)
     logits = torch.randn(R, D, V, device=dev, dtype=torch.bfloat16) * 3

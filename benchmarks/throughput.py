@@ -36,10 +36,15 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def load_prompts(path: str | None) -> list[str]:
+def load_prompts(path: str | None, limit: int = 0) -> list:
+    """Text prompts, or token-id prompts from a drafter's ``training_log.json`` (its
+    held-out evaluation prompts, never trained on)."""
     if not path:
         return DEFAULT_PROMPTS
     text = Path(path).read_text()
+    if path.endswith(".json"):
+        ids = json.loads(text)["heldout_eval_prompts"]
+        return [{"prompt_token_ids": p} for p in ids[:limit or None]]
     if path.endswith(".jsonl"):
         return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
     return [p for p in text.split("\n\n\n") if p.strip()]
@@ -88,6 +93,7 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
                              step_ms=1000 * wall / max(steps, 1.0),
                              tok_s=toks / wall, tok_s_per_req=toks / wall / n,
                              output_tokens=toks, wall_s=wall))
+            bar.write(json.dumps(rows[-1]))
             bar.update(1)
     del llm
     gc.collect()
@@ -146,7 +152,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--prompts", help="a .jsonl ({'prompt': ...}) or text file (blank-line x2 separated)")
-    ap.add_argument("--methods", default="ar,dflash,ddtree")
+    ap.add_argument("--num-prompts", type=int, default=64, help="cap for a training_log.json")
+    ap.add_argument("--methods", default="ar,dflash,ddtree",
+                    help="ar, dflash, ddtree (one engine per budget), ddtree-auto (adaptive "
+                         "budget up to the largest of --budgets)")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
@@ -178,7 +187,11 @@ def main(argv=None) -> int:
     if "ddtree" in wanted:
         methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
                                      "num_speculative_tokens": b}, 1 + b) for b in budgets]
-    prompts = load_prompts(args.prompts)
+    if "ddtree-auto" in wanted:
+        methods.append(("ddtree-auto", {"method": "ddtree", "model": str(args.drafter),
+                                        "num_speculative_tokens": max(budgets),
+                                        "ddtree_adaptive_budget": True}, 1 + max(budgets)))
+    prompts = load_prompts(args.prompts, args.num_prompts)
     from tqdm import tqdm
 
     rows: list[dict] = []

@@ -46,10 +46,22 @@ def tail(path: Path, n: int = 60) -> str:
     return "\n".join(lines[-n:])
 
 
+# VLLM_DDTREE_TEST_GPU=1 runs the server tests on a GPU: bf16 fixtures (the large-margin
+# tree_beats_chain pair where a test uses the random one, see fixture_variant), eager.
+ON_GPU = os.environ.get("VLLM_DDTREE_TEST_GPU") == "1"
+DTYPE = "bfloat16" if ON_GPU else "float32"
+
+
+def fixture_variant(cpu_variant: str) -> str:
+    """bf16 flips near-ties of the random pair (batch-shape dependent rounding), so exact
+    comparisons on a GPU use the large-margin pair."""
+    return "tree_beats_chain" if ON_GPU and cpu_variant == "random" else cpu_variant
+
+
 def server_cmd(target: Path, port: int, spec: dict | None = None, max_model_len: int = 512,
                extra_args: tuple[str, ...] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(target), "--served-model-name", MODEL, "--dtype", "float32",
+           "--model", str(target), "--served-model-name", MODEL, "--dtype", DTYPE,
            "--max-model-len", str(max_model_len), "--enforce-eager",
            "--gpu-memory-utilization", "0.2", "--seed", "0", "--port", str(port),
            "--host", "127.0.0.1", *extra_args]

@@ -37,7 +37,8 @@ if importlib.util.find_spec("vllm") is None:  # find_spec: importing vllm here c
 pytest.importorskip("openai", reason="needs the openai client (installed with vLLM)")
 
 from server_utils import (  # noqa: E402
-    MODEL, Server, field, metric, report, spec_counters, wait_all_healthy)
+    DTYPE, MODEL, ON_GPU, Server, field, fixture_variant, metric, report, spec_counters,
+    wait_all_healthy)
 
 from vllm_ddtree.fixtures import make_tiny_pair  # noqa: E402
 
@@ -55,12 +56,14 @@ BAD_FIELD = "ddtree_max_dept"  # a typo of ddtree_max_depth
 @pytest.fixture(scope="module")
 def servers(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    target, drafter = make_tiny_pair(root, "random")
+    target, drafter = make_tiny_pair(root, fixture_variant("random"), DTYPE)
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": D}
     started: list[Server] = []
     failed_before = request.session.testsfailed
     try:
         started.append(Server("ddtree", target, root, spec, MAX_LEN, KV_ARGS))
+        if ON_GPU:  # one start at a time: vLLM's GPU memory profiling must not see another
+            wait_all_healthy(started)
         started.append(Server("plain", target, root, None, MAX_LEN))
         started.append(Server("bad_config", target, root, {**spec, BAD_FIELD: 3}, MAX_LEN))
         bad = started[2]

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One 30-minute GPU lease (device tool, nvidia-h200), as back-to-back calls.  Each call
+# carries what its stage needs (below) plus .gpu/unpack.sh, and runs
+#   bash benchmarks/gpu_lease.sh STAGE
+# Full logs go to $OUT/<stage>/, tables to stdout.
+#
+#   a   carry .smol/gguf.part-aa .gpu/bundle.part-02   stash both; trainer smoke test (tiny)
+#   b   carry .smol/gguf.part-ab .whl                  start the SmolLM2 drafter training in
+#                                                      the background (setsid; ~10 min)
+#   c   carry .gpu/bundle.part-00                      stash
+#   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
+#       `vllm serve` vs no speculation, T>0 distribution test, reliability tests (#4 #5 #9)
+#   e1  (nothing)   wait for the drafter, return it; step-part timings at 8B shape; the
+#       SmolLM2 pair: AR vs DFlash vs DDTree throughput, T = 0/1, batch 1..64 (#6 #7)
+#   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
+set -u
+STAGE=$1
+OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
+TRAIN=/root/trainout
+cd "$(dirname "$0")/.."
+source .gpu/unpack.sh
+banner() { echo; echo "=== $* ($(date +%T))"; }
+cleanup() { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; } 2>/dev/null
+train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
+
+case $STAGE in
+a)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 15
+  ;;
+b)
+  mkdir -p $TRAIN
+  OUT=$TRAIN MAX_MINUTES=${MAX_MINUTES:-8} setsid nohup bash scripts/gpu_train_smollm.sh \
+    > $TRAIN/run.log 2>&1 < /dev/null &
+  sleep 40; tail -n 8 $TRAIN/run.log
+  ;;
+c)
+  train_status
+  ;;
+d1)
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  train_status
+  banner "vllm serve (CUDA graphs) vs no speculation"
+  timeout 200 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 2>&1 | tail -n 8; cleanup
+  banner "T > 0 distribution test (bf16)"
+  timeout 200 python3 benchmarks/gpu_sampling.py --out "$LOG/sampling" > "$LOG/sampling.log" 2>&1
+  echo "exit $?"; tail -n 12 "$LOG/sampling.log"; cleanup
+  banner "reliability tests on the GPU (VLLM_DDTREE_TEST_GPU=1)"
+  VLLM_DDTREE_TEST_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
+  echo "exit $?"; grep -E "^(load|preemption):|passed|failed|error" "$LOG/reliability.log" | tail -n 8
+  train_status
+  ;;
+e1)
+  for _ in $(seq 1 48); do [ -f $TRAIN/drafter/model.safetensors.sha256 ] && break; sleep 5; done
+  train_status
+  cp -r $TRAIN/drafter "$OUT/drafter" 2>/dev/null; cp $TRAIN/train.log $TRAIN/run.log "$OUT/" 2>/dev/null
+  banner "DDTree-specific step parts at Qwen3-8B shape"
+  timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
+  echo "exit $?"; tail -n 11 "$LOG/parts.log"
+  D=/root/drafter; mkdir -p $D
+  cp $TRAIN/drafter/*.json $D/ && cat $TRAIN/drafter/model.safetensors.part-* > $D/model.safetensors
+  banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
+  timeout 360 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+    --prompts $D/training_log.json --num-prompts 64 --budgets 16,32,64 \
+    --methods ar,dflash,ddtree,ddtree-auto --max-model-len 1024 --out "$LOG/pair" \
+    > "$LOG/pair.log" 2>&1
+  echo "exit $?"; grep -v "it/s\]\|s/it\]" "$LOG/pair.log" | tail -n 45
+  ;;
+d2)
+  banner "Qwen3-shaped random model (DDTree rows)"
+  timeout 500 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
+    --no-dflash --budgets 15,60 > "$LOG/shaped.log" 2>&1
+  echo "exit $?"; tail -n 6 "$LOG/shaped.log"
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
