@@ -359,6 +359,24 @@ def test_folder_without_config(target_config: Any, tmp_path: Path) -> None:
         spec(target_config, model=str(tmp_path), num_speculative_tokens=4)
 
 
+def test_truncated_or_corrupt_drafter_weights(target_config: Any, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(drafter(tmp_path))
+    weights = path / "model.safetensors"
+    save_file({"w": torch.ones(64, 64)}, str(weights))
+    spec(target_config, model=str(path), num_speculative_tokens=4)  # whole file: accepted
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"model.safetensors is truncated: \d+ bytes, its "
+                                         r"header describes \d+"):
+        spec(target_config, model=str(path), num_speculative_tokens=4)
+    weights.write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        spec(target_config, model=str(path), num_speculative_tokens=4)
+
+
 @pytest.mark.parametrize(
     ("changes", "drop", "match"),
     [

@@ -199,7 +199,31 @@ def load_drafter_config(model: str | None) -> dict[str, Any] | None:
         raise DDTreeConfigError(
             f"speculative_config.model={model!r}: {config_path} is not a JSON object."
         )
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            check_safetensors(os.path.join(path, name), model)
     return data
+
+
+def check_safetensors(file: str, model: str) -> None:
+    """A safetensors file whose header is unreadable, or that is shorter than its header
+    says (an interrupted copy), fails here with its name rather than deep in the loader."""
+    where = f"speculative_config.model={model!r}: drafter weights {file}"
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} does not fit in {size} bytes")
+            header = json.loads(f.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items()
+                   if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise DDTreeConfigError(f"{where} is not a readable safetensors file ({e}).") from None
+    if size < 8 + n + end:
+        raise DDTreeConfigError(
+            f"{where} is truncated: {size} bytes, its header describes {8 + n + end}. "
+            "Copy or download the drafter again.")
 
 
 def _get(cfg: dict[str, Any], key: str) -> Any:
