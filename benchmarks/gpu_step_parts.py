@@ -46,7 +46,7 @@ def graphed(fn):
 
 def case(R, B, dev="cuda"):
     W = B + 1
-    tb = TreeBuffers(max(R, 1), 8192, B, D, dev)
+    tb = TreeBuffers(max(R, 1), R * W, B, D, dev)
     logits = torch.randn(R, D, V, device=dev, dtype=torch.bfloat16) * 3
     draft_tokens = torch.zeros(R, B, dtype=torch.int64, device=dev)
 

@@ -79,6 +79,11 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
     for temp in args.temps:
         for n in args.batches:
             batch = [prompts[i % len(prompts)] for i in range(n)]
+            # warm-up at this batch size and temperature: a first call may JIT-compile
+            # kernels for new shapes (the suspected cause of the first H200 run's T = 0
+            # rows, measured first, running 1.5-4x slower per step than its T = 1 rows)
+            llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
             d0, a0 = counters(llm)
             t0 = time.perf_counter()

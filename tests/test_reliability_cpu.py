@@ -117,8 +117,9 @@ BAD_REQUESTS = {
     "max_tokens_zero": ({**GOOD, "max_tokens": 0}, "max_tokens"),
     "prompt_longer_than_max_model_len": ({**GOOD, "prompt": "x" * (MAX_LEN + 40)},
                                          "maximum context length"),
+    # vLLM 0.32 names max_tokens; 0.26 (H200 run) says "requested 4 output tokens"
     "prompt_fills_max_model_len": ({**GOOD, "prompt": "x" * MAX_LEN, "max_tokens": 4},
-                                   "max_tokens"),
+                                   ("max_tokens", "output tokens")),
     "token_id_out_of_vocab": ({**GOOD, "prompt": [104, 105, 10 ** 6]}, "out of vocabulary"),
     "logit_bias_with_speculation": ({**GOOD, "logit_bias": {"5": 1.0}},
                                     "not yet supported with speculative decoding"),
@@ -132,11 +133,12 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("name", list(BAD_REQUESTS))
 def test_bad_request_is_4xx_and_server_keeps_serving(servers, good_reference, name):
     body, words = BAD_REQUESTS[name]
+    words = (words,) if isinstance(words, str) else words
     server = servers["ddtree"]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, text = server.post_raw("/v1/completions", raw)
     assert 400 <= status < 500, (status, text)
-    assert words.lower() in text.lower(), text
+    assert any(w.lower() in text.lower() for w in words), text
     _still_serving(server, good_reference)
 
 
