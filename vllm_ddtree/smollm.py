@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", help=f"GGUF file (default ${ENV_GGUF} or the {DIST_NAME} wheel's)")
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.add_argument("--check", action="store_true", help="greedy-decode one prompt with transformers")
+    p.add_argument("--drafter", action="store_true",
+                   help="print the shipped DFlash drafter's folder instead (no conversion)")
     args = p.parse_args(argv)
+    if args.drafter:
+        print(drafter_dir())
+        return 0
     try:
         out = ensure_smollm(args.out, args.gguf, force=args.force)
     except SmolLMUnavailable as e:
