@@ -26,10 +26,10 @@ def prompts(n):
     return [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(n)]
 
 
-def engine(target, spec, graphs, budget=None):
+def engine(target, spec, graphs, budget=None, tp=1):
     from vllm import LLM
 
-    kw = {}
+    kw = {"tensor_parallel_size": tp}
     if graphs:
         width = 1 + (budget or 0)
         kw["compilation_config"] = {"max_cudagraph_capture_size": min(32 * width, 8192)}
@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--graphs", default="0,1")
     ap.add_argument("--batches", default="1,4,32")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (8 needs "
+                    "VLLM_DDTREE_FIXTURE_HEADS=8)")
     args = ap.parse_args()
     from vllm_ddtree.fixtures import make_tiny_pair
 
@@ -88,13 +90,13 @@ def main():
     for fx in args.fixtures.split(","):
         target, drafter = make_tiny_pair(out / "fixtures", fx, "bfloat16")
         for graphs in [bool(int(x)) for x in args.graphs.split(",")]:
-            llm = engine(target, None, graphs)
+            llm = engine(target, None, graphs, tp=args.tp)
             ref = run_batches(llm, batches, args.max_tokens)
             close(llm)
             for budget in [int(x) for x in args.budgets.split(",")]:
                 spec = {"method": "ddtree", "model": str(drafter),
                         "num_speculative_tokens": budget}
-                llm = engine(target, spec, graphs, budget)
+                llm = engine(target, spec, graphs, budget, tp=args.tp)
                 got = run_batches(llm, batches, args.max_tokens)
                 close(llm)
                 for n in batches:

@@ -88,12 +88,15 @@ def gen_shaped(root: Path) -> tuple[Path, Path]:
     return t_dir, d_dir
 
 
+TP = int(os.environ.get("TP", "1"))  # tensor-parallel size of every engine
+
+
 def engine(target, spec=None, width=16, **kw):
     from vllm import LLM
 
     return LLM(model=str(target), dtype="bfloat16", max_model_len=1024, seed=0, max_num_seqs=32,
                max_num_batched_tokens=8192, gpu_memory_utilization=0.22,
-               disable_log_stats=False, speculative_config=spec,
+               disable_log_stats=False, speculative_config=spec, tensor_parallel_size=TP,
                compilation_config={"max_cudagraph_capture_size": min(32 * width, 8192)}, **kw)
 
 

@@ -2,18 +2,19 @@
 # `vllm serve` with DDTree on the GPU machine (CUDA graphs on), against the same target
 # served without speculation: greedy token ids of a few completions (one batched request
 # and single ones) must be identical; prints the spec-decode metrics.
-#   bash benchmarks/gpu_serve_check.sh OUT_DIR [BUDGET]
+#   bash benchmarks/gpu_serve_check.sh OUT_DIR [BUDGET [EXTRA SERVE ARGS...]]
+#   (e.g. --tensor-parallel-size 2)
 # (CPU check of the script: SERVE="python -m vllm.entrypoints.openai.api_server --model")
 set -u
 SERVE=${SERVE:-python3 -m vllm.entrypoints.cli.main serve}
-OUT=${1:-/tmp/serve-check}; B=${2:-60}; mkdir -p "$OUT"
+OUT=${1:-/tmp/serve-check}; B=${2:-60}; EXTRA=("${@:3}"); mkdir -p "$OUT"
 read -r T D < <(python3 -c "
 from vllm_ddtree.fixtures import make_tiny_pair
 t, d = make_tiny_pair('$OUT/fx', 'tree_beats_chain', 'bfloat16'); print(t, d)")
 serve() {  # port log [extra args...]
   local port=$1 log=$2; shift 2
   $SERVE "$T" --port "$port" --max-model-len 512 \
-    --gpu-memory-utilization 0.2 --max-num-seqs 8 --served-model-name tiny "$@" > "$log" 2>&1 &
+    --gpu-memory-utilization 0.2 --max-num-seqs 8 --served-model-name tiny "${EXTRA[@]}" "$@" > "$log" 2>&1 &
 }
 up() { for _ in $(seq 1 180); do curl -sf "localhost:$1/health" >/dev/null && return 0; sleep 1; done
        echo "server on port $1 did not come up"; return 1; }

@@ -61,7 +61,8 @@ def make_engine(args, spec, width):
 
     kw = dict(model=str(args.target), dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_mem,
-              disable_log_stats=False, enforce_eager=args.eager, speculative_config=spec)
+              disable_log_stats=False, enforce_eager=args.eager, speculative_config=spec,
+              tensor_parallel_size=args.tp)
     if not args.eager:
         kw["compilation_config"] = {"max_cudagraph_capture_size":
                                     min(max(args.batches) * width, args.max_num_batched_tokens)}
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
             bar.set_postfix_str(name)
             rows += run_method(args, name, spec, width, prompts, bar)
     add_ratios(rows)
-    meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype,
+    meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")

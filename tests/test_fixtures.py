@@ -159,3 +159,22 @@ def test_random_variant_margins(root):
     assert (gaps < 1e-3).float().mean() < 0.01  # fp32 token equality is not flaky
     assert 0.05 < gaps.median() < 2.0  # neither flat nor degenerate
     assert dgaps.median() > 0.02  # the drafter is not flat either
+
+
+def test_eight_head_pairs_for_tensor_parallel_runs(tmp_path):
+    """VLLM_DDTREE_FIXTURE_HEADS=8 (TP = 8 needs 8 query heads) writes its own folders, and
+    the tree_beats_chain margins do not depend on the head count."""
+    import subprocess
+    import sys
+
+    code = ("import json, torch; from transformers import AutoModelForCausalLM; "
+            "from vllm_ddtree.fixtures import make_tiny_pair; "
+            f"t, d = make_tiny_pair({str(tmp_path)!r}, 'tree_beats_chain'); "
+            "m = AutoModelForCausalLM.from_pretrained(str(t), dtype=torch.float32); "
+            "print(t.parent.name, m.config.num_attention_heads, "
+            "m(torch.tensor([[104, 105, 106]])).logits[0].argmax(-1).tolist())")
+    env = {**__import__("os").environ, "VLLM_DDTREE_FIXTURE_HEADS": "8"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[:2] == ["tree_beats_chain-float32-h8", "8"]
+    assert " ".join(out[2:]) == f"[{TOKEN_A}, {TOKEN_A}, {TOKEN_A}]"

@@ -59,6 +59,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257
 MASK_TOKEN_ID = 259
 BOS_ID, EOS_ID = 256, 258
 VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 512, 128, 256, 4, 2, 64
+# Tensor parallelism needs query heads divisible by the TP size: VLLM_DDTREE_FIXTURE_HEADS=8
+# writes 8-head pairs (same KV heads; vLLM replicates them) into their own folders.
+HEADS = int(os.environ.get("VLLM_DDTREE_FIXTURE_HEADS", HEADS))
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK_SIZE = 6, 2, 16
 TARGET_LAYER_IDS = [1, 2, 4]
 ROPE_THETA, RMS_EPS, MAX_POS = 1_000_000.0, 1e-6, 4096
@@ -292,7 +295,7 @@ def make_tiny_pair(root: str | Path, variant: str = "random",
     if dtype not in DTYPES:
         raise ValueError(f"Unknown fixture dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     root = Path(root)
-    final = root / f"{variant}-{dtype}"
+    final = root / (f"{variant}-{dtype}" + (f"-h{HEADS}" if HEADS != 4 else ""))
     marker = final / ".complete"
     pair = (final / "target", final / "drafter")
     if marker.is_file() and marker.read_text() == FIXTURE_VERSION:

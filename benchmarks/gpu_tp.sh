@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Tensor-parallel check in one lease (issues 8 and 10): TP = N on nvidia-h200-x2 (N = 2) or
+# nvidia-h200-x8 (N = 8).  Device calls, back to back (machine kind in the `run` call):
+#
+#   1  carry .gpu/bundle.part-00 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
+#   2  carry .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
+#   3  carry .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
+#   4  carry .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
+#
+# check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
+#        speculation (token ids), then greedy identity against no speculation at TP = N on
+#        the margin fixtures (budgets 15 and 60, batches 1 and 32, CUDA graphs on) and the
+#        random-model near-tie check on the Qwen3-shaped model (16 / 8 heads).
+# speed: AR vs DFlash vs DDTree throughput on the Qwen3-shaped random pair at TP = 1 and
+#        TP = N, batch 1 and 32 (random drafts: this measures step cost, not acceptance).
+# NVLink multicast stays off (KINDS.md).  Logs under $OUT, tables on stdout.
+set -u
+N=$1; STAGE=$2
+OUT=${OUT:-/tmp/out}; LOG=$OUT/tp$N-$STAGE; mkdir -p "$LOG"
+cd "$(dirname "$0")/.."
+source .gpu/unpack.sh
+export NCCL_NVLS_ENABLE=0
+# 8 query heads for TP = 8 (the default pairs have 4); harmless for TP = 2
+[ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
+banner() { echo; echo "=== $* ($(date +%T))"; }
+cleanup() { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; } 2>/dev/null
+
+case $STAGE in
+stash) ;;
+check)
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
+  nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
+  banner "vllm serve --tensor-parallel-size $N, DDTree vs no speculation"
+  timeout 240 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
+    2>&1 | tail -n 6; cleanup
+  banner "margin fixtures at TP = $N"
+  timeout 200 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
+    --fixtures tree_beats_chain,accept_all --budgets 15,60 --graphs 1 --batches 1,32 \
+    > "$LOG/margin.log" 2>&1
+  echo "exit $?"; grep -A12 "^fixture" "$LOG/margin.log"; cleanup
+  banner "Qwen3-shaped random model at TP = $N (near-tie check)"
+  TP=$N timeout 150 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
+    --no-dflash --budgets 60 > "$LOG/shaped.log" 2>&1
+  echo "exit $?"; grep -A4 "^model" "$LOG/shaped.log"
+  ;;
+speed)
+  T=/tmp/qwen3-2b-random/target; D=/tmp/qwen3-2b-random/drafter
+  [ -f /tmp/qwen3-2b-random/.done ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'))"
+  for tp in 1 "$N"; do
+    banner "throughput, Qwen3-shaped random pair, TP = $tp"
+    timeout 270 python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
+      --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
+      --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/tp$tp" \
+      > "$LOG/tp$tp.log" 2>&1
+    echo "exit $?"; grep -A10 "^method" "$LOG/tp$tp.log"; cleanup
+  done
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac

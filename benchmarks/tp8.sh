@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole TP = 8 check (issue 10) in one nvidia-h200-x8 lease: four back-to-back device
+# calls with kind "nvidia-h200-x8", exactly as listed in benchmarks/gpu_tp.sh with N = 8:
+#   bash benchmarks/tp8.sh stash   (carry .gpu/bundle.part-00, then part-01, + .gpu/unpack.sh)
+#   bash benchmarks/tp8.sh check   (carry .gpu/bundle.part-02 .gpu/unpack.sh)
+#   bash benchmarks/tp8.sh speed   (carry .gpu/unpack.sh)
+# The fixtures get 8 query heads (VLLM_DDTREE_FIXTURE_HEADS=8, set by gpu_tp.sh).
+exec bash "$(dirname "$0")/gpu_tp.sh" 8 "$@"
