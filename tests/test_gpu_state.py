@@ -141,3 +141,29 @@ def test_fused_walk_kernel_matches_torch_walk():
         assert torch.equal(got.path, ref.path)
         assert torch.equal(got.src_logit_row, ref.src_logit_row)
         assert int(ref.num_accepted.max()) >= 3
+
+
+def test_nonfinite_draft_logits_give_bonus_only_steps():
+    """A request whose draft logits hold NaN/inf gets an empty tree (and an empty chain when
+    it falls back): every draft slot holds a valid token id but none can be accepted, so
+    the step commits the target's bonus token; the device counter counts it."""
+    tb = TreeBuffers(max_num_reqs=4, max_num_tokens=64, budget=B, depth=D, device="cpu")
+    logits = torch.randn(3, D, V, generator=torch.Generator().manual_seed(3))
+    logits[1, 2, 5] = float("nan")
+    logits[2, 0, 7] = float("inf")
+    tree = build_tree(logits, B)
+    draft_tokens = torch.full((4, B), -7, dtype=torch.int64)
+    tb.store_batch(tree, logits, draft_tokens)
+    tb.apply_chain_fallback(torch.tensor([2]), draft_tokens)  # request 2 verified as a chain
+    assert int(tb.nonfinite) == 2
+    assert (tb.b_walk[0] >= 0).any()  # the finite request keeps its tree
+    assert (tb.b_walk[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
+    assert (draft_tokens[:3] >= 0).all()  # but the target is fed real token ids
+    idx = torch.arange(3, dtype=torch.int32)
+    tb.commit(idx, 3)
+    W = B + 1
+    cu = torch.arange(4, dtype=torch.int32) * W
+    targets = torch.randint(0, V, (3 * W,), generator=torch.Generator().manual_seed(4))
+    sampled, acc = tb.walk(targets, cu, idx, 3, impl="torch")
+    assert acc.num_accepted[1:].tolist() == [1, 1]  # root only
+    assert sampled[1:, 0].tolist() == [int(targets[W]), int(targets[2 * W])]  # the bonus

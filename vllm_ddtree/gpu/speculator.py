@@ -47,6 +47,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                                 self.depth, device)
         state_mod.ACTIVE = self.tree
         self._compactors: list[tuple[str, KVCompactor]] | None = None
+        # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
+        # copy into pinned memory, read one step later (no sync)
+        self._nonfinite_host = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self._nonfinite_logged = 0
 
     # -- load --------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -108,7 +112,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                 last_hidden_states = last_hidden_states[perm]
         out = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                               aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
-        if not dummy:
+        if dummy:  # warm-up/capture inputs are not a drafter failure
+            self.tree.nonfinite.zero_()
+        else:
+            self._report_nonfinite()
             n = input_batch.num_reqs
             chain_rows = np.flatnonzero(self.tree.chain_flag[input_batch.idx_mapping_np[:n]])
             if chain_rows.size:  # host flags only: no device read
@@ -118,6 +125,16 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.tree.apply_chain_fallback(rows, self.draft_tokens)
             self.tree.commit(input_batch.idx_mapping, n)
         return out
+
+    def _report_nonfinite(self) -> None:
+        seen = int(self._nonfinite_host[0])  # written by an earlier step's async copy
+        if seen.bit_length() > self._nonfinite_logged.bit_length():  # at 1, 2, 4, 8...
+            _logger.warning(
+                "vllm-ddtree: the drafter returned NaN/inf logits for %d request-step(s) so "
+                "far; those steps commit the target's bonus token only (output unaffected).",
+                seen)
+            self._nonfinite_logged = seen
+        self._nonfinite_host.copy_(self.tree.nonfinite, non_blocking=True)
 
     def _compact(self, acc, input_batch, slot_mappings) -> None:
         """Copy each accepted node's target K/V to the slot of its depth, in every

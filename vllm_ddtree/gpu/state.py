@@ -24,7 +24,7 @@ import torch
 
 from vllm_ddtree.kernels.verify_rows import (causal_words, fill_tree_rows, use_triton,
                                              walk_verify)
-from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree
+from vllm_ddtree.tree import DraftTree, drop_nonfinite, tree_layout, walk_tree
 
 
 @dataclass
@@ -58,6 +58,8 @@ class TreeBuffers:
         self.b_parents = self.parents.clone()
         self.b_walk = self.walk_tokens.clone()
         self.b_chain = torch.zeros((S, depth), dtype=torch.int64, **kw)
+        # request-steps whose draft logits held NaN/inf (emptied trees), counted on device
+        self.nonfinite = torch.zeros(1, dtype=torch.int64, **kw)
         # chain templates (penalties, bad words, grammars: verified as a chain)
         self._chain_bits = causal_words(torch.arange(W), NW).to(device)
         self._chain_depth = torch.arange(W, **kw)
@@ -74,7 +76,11 @@ class TreeBuffers:
     # -- drafter side ----------------------------------------------------------------
     def store_batch(self, tree: DraftTree, draft_logits: torch.Tensor,
                     draft_tokens: torch.Tensor) -> None:
-        """Write the batch's trees (``n`` = rows of ``tree``).  Graph-capturable."""
+        """Write the batch's trees (``n`` = rows of ``tree``).  Graph-capturable.  Requests
+        whose draft logits hold NaN/inf get an empty tree and an empty chain (bonus token
+        only) and are counted in ``nonfinite``."""
+        bad = drop_nonfinite(tree, draft_logits)
+        self.nonfinite.add_(bad.sum())
         n = tree.token_ids.shape[0]
         lay = tree_layout(tree, torch.zeros(n, dtype=torch.int64, device=tree.token_ids.device))
         draft_tokens[:n].copy_(tree.token_ids.clamp(min=0))
@@ -82,14 +88,14 @@ class TreeBuffers:
         self.b_parents[:n].copy_(tree.parents.clamp(min=0))
         self.b_depth[:n].copy_(lay.depths)
         self.b_bits[:n].copy_(lay.ancestor_bits)
-        self.b_chain[:n].copy_(draft_logits.argmax(dim=-1))
+        self.b_chain[:n].copy_(draft_logits.argmax(dim=-1).masked_fill(bad.unsqueeze(1), -1))
 
     def apply_chain_fallback(self, rows: torch.Tensor, draft_tokens: torch.Tensor) -> None:
         """Batch rows ``rows`` (int64 device tensor) become chains: the drafter's top-1
         token per depth, then filler rows that are never accepted."""
         D = self.D
         chain = self.b_chain[rows]  # [m, D]
-        toks = torch.cat([chain, chain[:, -1:].expand(-1, self.B - D)], dim=1)
+        toks = torch.cat([chain, chain[:, -1:].expand(-1, self.B - D)], dim=1).clamp(min=0)
         walk = torch.cat([chain, torch.full_like(chain[:, :1], -1).expand(-1, self.B - D)], 1)
         draft_tokens[rows] = toks.to(draft_tokens.dtype)
         self.b_walk[rows] = walk

@@ -68,6 +68,24 @@ class DraftTree:
         return self.scores.exp().sum(dim=1)
 
 
+def drop_nonfinite(tree: DraftTree, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Empty the trees of requests whose draft logits ``[R, D, V]`` hold a NaN or an inf
+    (a failing drafter): their verify step commits the target's bonus token only.
+
+    :func:`build_tree` itself ranks such entries (NaN last, +inf first); this is the
+    runners' policy on top of it.  In place, graph-capturable, no host sync.  Returns
+    the bool mask ``[R]`` of emptied requests.
+    """
+    bad = ~torch.isfinite(draft_logits).flatten(1).all(dim=1)
+    rows = bad.unsqueeze(1)
+    tree.token_ids.masked_fill_(rows, -1)
+    tree.parents.masked_fill_(rows, -1)
+    tree.depths.masked_fill_(rows, 0)
+    tree.scores.masked_fill_(rows, float("-inf"))
+    tree.num_nodes.masked_fill_(bad, 0)
+    return bad
+
+
 def sanitized_logits(draft_logits: torch.Tensor) -> torch.Tensor:
     """float32 copy with NaN -> -inf and +inf -> the input dtype's largest finite value."""
     x = draft_logits.float()
