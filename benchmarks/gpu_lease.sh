@@ -2,17 +2,23 @@
 # One 30-minute GPU lease (device tool, nvidia-h200), as back-to-back calls.  Each call
 # carries what its stage needs (below) plus .gpu/unpack.sh, and runs
 #   bash benchmarks/gpu_lease.sh STAGE
-# Full logs go to $OUT/<stage>/, tables to stdout.
+# Full logs go to $OUT/<stage>/, tables to stdout.  The machine goes back 30 s after a
+# call returns: issue the next call at once.
 #
 #   a   carry .smol/gguf.part-aa .gpu/bundle.part-02   stash both; trainer smoke test (tiny)
-#   b   carry .smol/gguf.part-ab .whl                  start the SmolLM2 drafter training in
-#                                                      the background (setsid; ~10 min)
+#   b   carry .smol/gguf.part-ab .whl                  convert the SmolLM2 target to
+#       /root/smol/hf (TRAIN_NEW=1: also train a new drafter in the background, ~10 min,
+#       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
 #   c   carry .gpu/bundle.part-00                      stash
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
 #       `vllm serve` vs no speculation, T>0 distribution test, reliability tests (#4 #5 #9)
-#   e1  (nothing)   wait for the drafter, return it; step-part timings at 8B shape; the
-#       SmolLM2 pair: AR vs DFlash vs DDTree throughput, T = 0/1, batch 1..64 (#6 #7)
+#   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
+#       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
+#
+# Session 3 ran a, b (TRAIN_NEW=1), c, d1, e1, then the pair and d2 by hand
+# (docs/benchmarks/performance.md).  Lessons: training and vLLM engines do not fit on the
+# GPU together, and each engine start with CUDA graphs costs 40-60 s (fewer methods per call).
 set -u
 STAGE=$1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
@@ -31,9 +37,13 @@ a)
   ;;
 b)
   mkdir -p $TRAIN
-  OUT=$TRAIN MAX_MINUTES=${MAX_MINUTES:-8} setsid nohup bash scripts/gpu_train_smollm.sh \
-    > $TRAIN/run.log 2>&1 < /dev/null &
-  sleep 40; tail -n 8 $TRAIN/run.log
+  if [ "${TRAIN_NEW:-0}" = 1 ]; then
+    OUT=$TRAIN MAX_MINUTES=${MAX_MINUTES:-8} setsid nohup bash scripts/gpu_train_smollm.sh \
+      > $TRAIN/run.log 2>&1 < /dev/null &
+    sleep 40; tail -n 8 $TRAIN/run.log
+  else
+    CONVERT_ONLY=1 bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 3
+  fi
   ;;
 c)
   train_status
@@ -54,20 +64,23 @@ d1)
   train_status
   ;;
 e1)
-  for _ in $(seq 1 48); do [ -f $TRAIN/drafter/model.safetensors.sha256 ] && break; sleep 5; done
-  train_status
-  cp -r $TRAIN/drafter "$OUT/drafter" 2>/dev/null; cp $TRAIN/train.log $TRAIN/run.log "$OUT/" 2>/dev/null
+  D=vllm_ddtree/assets/smollm2-135m-dflash
+  if [ -f $TRAIN/run.log ]; then  # a drafter trained in stage b (TRAIN_NEW=1): return it, use it
+    for _ in $(seq 1 48); do [ -f $TRAIN/drafter/model.safetensors.sha256 ] && break; sleep 5; done
+    train_status
+    cp -r $TRAIN/drafter "$OUT/drafter"; cp $TRAIN/train.log $TRAIN/run.log "$OUT/"
+    D=/root/drafter; mkdir -p $D
+    cp $TRAIN/drafter/*.json $D/ && cat $TRAIN/drafter/model.safetensors.part-* > $D/model.safetensors
+  fi
   banner "DDTree-specific step parts at Qwen3-8B shape"
   timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
   echo "exit $?"; tail -n 11 "$LOG/parts.log"
-  D=/root/drafter; mkdir -p $D
-  cp $TRAIN/drafter/*.json $D/ && cat $TRAIN/drafter/model.safetensors.part-* > $D/model.safetensors
   banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
-  timeout 360 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+  timeout 400 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
     --prompts $D/training_log.json --num-prompts 64 --budgets 16,32,64 \
-    --methods ar,dflash,ddtree,ddtree-auto --max-model-len 1024 --out "$LOG/pair" \
-    > "$LOG/pair.log" 2>&1
-  echo "exit $?"; grep -v "it/s\]\|s/it\]" "$LOG/pair.log" | tail -n 45
+    --methods ar,dflash,ddtree,ddtree-auto --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
+    --max-num-batched-tokens 4096 --out "$LOG/pair" > "$LOG/pair.log" 2>&1
+  echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
   ;;
 d2)
   banner "Qwen3-shaped random model (DDTree rows)"

@@ -14,7 +14,8 @@
 #   GPU call 2:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ab, .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
 #                      converts, trains (scripts/train_drafter.py --max-minutes
-#                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log
+#                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log;
+#                      CONVERT_ONLY=1: converts the target to $SMOL_STAGE/hf and stops there
 #
 # model.safetensors (~23 MB) comes back split into 15 MiB parts (a returned file may not
 # exceed 16 MiB); rebuild it with: cat model.safetensors.part-* > model.safetensors
@@ -75,6 +76,9 @@ if ! $PY -c "import gguf" 2>/dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export VLLM_DDTREE_SMOLLM_GGUF="$GGUF" VLLM_DDTREE_SMOLLM_DIR="$STAGE/hf" PYTHONUNBUFFERED=1
+if [[ "${CONVERT_ONLY:-0}" == 1 ]]; then  # the target folder only (the drafter ships)
+    exec $PY -m vllm_ddtree.smollm
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 set +e
 $PY scripts/train_drafter.py --out "$OUT/drafter" --max-minutes "${MAX_MINUTES:-8.5}" "$@" 2>&1 \
