@@ -4,6 +4,7 @@ SmolLM2-135M + a DFlash drafter trained here for a few steps (scripts/train_draf
 the reference loop on one prompt must give the same tau as vLLM (fp32: exact)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,10 @@ def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "acceptance.py"), "--cpu", "--drafter", str(drafter),
            "--out", str(tmp_path), "--num-prompts", "2", "--max-tokens", "16", "--budgets", "16,32",
            "--temps", "0", "--ref-prompts", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # One OpenMP thread: on a busy 2-core machine more threads than free cores make the tiny
+    # forwards many times slower (10+ min instead of ~1.5).
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "acceptance.json").read_text())
 
