@@ -217,6 +217,7 @@ def plot(rows: list[dict], ref_rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.get("warning")]  # invalid numbers stay out of the plots
     temps = sorted({r["temperature"] for r in rows})
     colors = {t: f"C{i}" for i, t in enumerate(temps)}
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -289,7 +290,7 @@ def print_tables(rows: list[dict], ref_rows: list[dict]) -> None:
             print(f"{r['method']:<8} {r['budget']:>4} {r['tau_ref']:>8.3f} {f(r['tau_vllm']):>8} {rel:>9} "
                   f"{r['steps_ref']:>5}/{r['steps_vllm']:<5} {'same' if r['tokens_equal'] else 'DIFF':>6}  "
                   f"{'PASS' if r['passed'] else 'FAIL'}")
-    chain = {r["temperature"]: r["tau"] for r in rows if r["method"] == "dflash"}
+    chain = {r["temperature"]: r["tau"] for r in rows if r["method"] == "dflash" and not r.get("warning")}
     print(f"\nvLLM, all prompts\n{'method':<8} {'B':>4} {'T':>4} {'tau':>7} {'vs chain':>8} "
           + " ".join(f"{'tau ' + k:>9}" for k in kinds) + f" {'drafts':>7} {'accepted':>8}")
     for r in rows:
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
     best = {}
     for t in args.temps:
         trees = [r for r in rows if r["method"] == "ddtree" and r["temperature"] == t and r["tau"]]
-        chain = next((r["tau"] for r in rows if r["method"] == "dflash" and r["temperature"] == t), None)
+        chain = next((r["tau"] for r in rows if r["method"] == "dflash" and r["temperature"] == t
+                      and not r.get("warning")), None)
         if trees:
             b = max(trees, key=lambda r: r["tau"])
             best[str(t)] = {"budget": b["budget"], "tau": b["tau"], "tau_chain": chain,
