@@ -74,6 +74,18 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"vllm.{name}")
 
 
+def log_nonfinite_drafts(logged: int, seen: int) -> int:
+    """Warn when the count of request-steps with NaN/inf drafter logits reaches a new
+    power of two (1, 2, 4, 8...); returns the count now logged.  Both runner paths."""
+    if seen.bit_length() > logged.bit_length():
+        get_logger(__name__).warning(
+            "vllm-ddtree: the drafter returned NaN/inf logits for %d request-step(s) so "
+            "far; those steps commit the target's bonus token only (output unaffected).",
+            seen)
+        return seen
+    return logged
+
+
 def runner_path() -> str:
     """Best guess of the model runner that will serve DDTree in this process.
 

@@ -106,7 +106,7 @@ def _make_post_init(original: Any) -> Any:
     def __post_init__(self: Any) -> Any:
         if not _wants_ddtree(self):
             for name, unset in ((ddcfg.MAX_DEPTH_FIELD, None), (ddcfg.ADAPTIVE_FIELD, False)):
-                if getattr(self, name, unset) not in (unset,):
+                if getattr(self, name, unset) != unset:
                     raise ddcfg.DDTreeConfigError(
                         f"speculative_config.{name} is set but method={self.method!r}: it "
                         "only applies to method='ddtree'. Remove it or set method to 'ddtree'."

@@ -21,7 +21,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.compat import get_logger
+from vllm_ddtree.compat import get_logger, log_nonfinite_drafts
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.gpu import state as state_mod
 from vllm_ddtree.gpu.state import TreeBuffers
@@ -128,12 +128,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _report_nonfinite(self) -> None:
         seen = int(self._nonfinite_host[0])  # written by an earlier step's async copy
-        if seen.bit_length() > self._nonfinite_logged.bit_length():  # at 1, 2, 4, 8...
-            _logger.warning(
-                "vllm-ddtree: the drafter returned NaN/inf logits for %d request-step(s) so "
-                "far; those steps commit the target's bonus token only (output unaffected).",
-                seen)
-            self._nonfinite_logged = seen
+        self._nonfinite_logged = log_nonfinite_drafts(self._nonfinite_logged, seen)
         self._nonfinite_host.copy_(self.tree.nonfinite, non_blocking=True)
 
     def _compact(self, acc, input_batch, slot_mappings) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.compat import get_logger
+from vllm_ddtree.compat import get_logger, log_nonfinite_drafts
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.proposer.state import TreeStore
 from vllm_ddtree.tree import build_tree, drop_nonfinite
@@ -89,6 +89,7 @@ class DDTreeProposer(DFlashProposer):
         self.store = TreeStore()
         self._draft_logits: torch.Tensor | None = None
         self.nonfinite_drafts = 0  # request-steps whose draft logits held NaN/inf
+        self._nonfinite_logged = 0
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if self.use_heterogeneous_vocab:  # draft-vocabulary ids: keep vLLM's mapping, chain
@@ -96,14 +97,6 @@ class DDTreeProposer(DFlashProposer):
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
-
-    def _count_nonfinite(self, n: int) -> None:
-        before, self.nonfinite_drafts = self.nonfinite_drafts, self.nonfinite_drafts + n
-        if before.bit_length() != self.nonfinite_drafts.bit_length():  # at 1, 2, 4, 8...
-            _logger.warning(
-                "vllm-ddtree: the drafter returned NaN/inf logits for %d request-step(s) so "
-                "far; those steps commit the target's bonus token only (output unaffected).",
-                self.nonfinite_drafts)
 
     def _linearize_context(self, target_hidden_states, target_positions, cad):
         """Move each request's accepted rows to the front, with linear positions."""
@@ -144,9 +137,9 @@ class DDTreeProposer(DFlashProposer):
         bs = chain.shape[0]
         logits = self._draft_logits.view(bs, depth, -1)
         tree = build_tree(logits, min(self.budget, num_speculative_tokens))
-        bad = int(drop_nonfinite(tree, logits).sum())  # CPU tensors: no device sync
-        if bad:
-            self._count_nonfinite(bad)
+        self.nonfinite_drafts += int(drop_nonfinite(tree, logits).sum())  # CPU: no sync
+        self._nonfinite_logged = log_nonfinite_drafts(self._nonfinite_logged,
+                                                      self.nonfinite_drafts)
         self.store.put(req_ids, tree)
         # Slots past a tree's last node (only when the vocabulary is tiny) are scheduled
         # but never accepted: give them a real token id.
