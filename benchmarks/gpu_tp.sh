@@ -6,6 +6,7 @@
 #   2  carry .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
 #   3  carry .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
 #   4  carry .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
+#      (TPS=1 or TPS=N: only those rows)
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
@@ -23,7 +24,7 @@ export NCCL_NVLS_ENABLE=0
 # 8 query heads for TP = 8 (the default pairs have 4); harmless for TP = 2
 [ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
 banner() { echo; echo "=== $* ($(date +%T))"; }
-cleanup() { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; } 2>/dev/null
+cleanup() { [ -n "${NO_CLEANUP:-}" ] || { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; }; } 2>/dev/null
 
 case $STAGE in
 stash) ;;
@@ -31,10 +32,10 @@ check)
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
   nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
   banner "vllm serve --tensor-parallel-size $N, DDTree vs no speculation"
-  timeout 240 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
+  timeout 200 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
     2>&1 | tail -n 6; cleanup
   banner "margin fixtures at TP = $N"
-  timeout 200 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
+  timeout 180 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
     --fixtures tree_beats_chain,accept_all --budgets 15,60 --graphs 1 --batches 1,32 \
     > "$LOG/margin.log" 2>&1
   echo "exit $?"; grep -A12 "^fixture" "$LOG/margin.log"; cleanup
@@ -48,7 +49,7 @@ speed)
   [ -f /tmp/qwen3-2b-random/.done ] || python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'))"
-  for tp in 1 "$N"; do
+  for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
     timeout 270 python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
       --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
