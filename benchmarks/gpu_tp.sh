@@ -10,10 +10,12 @@
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
-#        the margin fixtures (budgets 15 and 60, batches 1 and 32, CUDA graphs on) and the
-#        random-model near-tie check on the Qwen3-shaped model (16 / 8 heads).
-# speed: AR vs DFlash vs DDTree throughput on the Qwen3-shaped random pair at TP = 1 and
-#        TP = N, batch 1 and 32 (random drafts: this measures step cost, not acceptance).
+#        the margin fixtures (budgets 15 and 60, batches 1 and 32, CUDA graphs on).
+# speed: the random-model near-tie check on the Qwen3-shaped model (16 / 8 heads) at TP = N,
+#        then AR vs DFlash vs DDTree throughput on that pair at TP = 1 and TP = N, batch 1
+#        and 32 (random drafts: this measures step cost, not acceptance).
+# A cold machine needs ~2-2.5 min per vLLM server start with CUDA graphs (session 4): the
+# serve check (two servers) gets 330 s.
 # NVLink multicast stays off (KINDS.md).  Logs under $OUT, tables on stdout.
 set -u
 N=$1; STAGE=$2
@@ -32,23 +34,25 @@ check)
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
   nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
   banner "vllm serve --tensor-parallel-size $N, DDTree vs no speculation"
-  timeout 200 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
+  timeout 330 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
     2>&1 | tail -n 6; cleanup
   banner "margin fixtures at TP = $N"
-  timeout 180 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
+  timeout 240 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
     --fixtures tree_beats_chain,accept_all --budgets 15,60 --graphs 1 --batches 1,32 \
     > "$LOG/margin.log" 2>&1
   echo "exit $?"; grep -A12 "^fixture" "$LOG/margin.log"; cleanup
-  banner "Qwen3-shaped random model at TP = $N (near-tie check)"
-  TP=$N timeout 150 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
-    --no-dflash --budgets 60 > "$LOG/shaped.log" 2>&1
-  echo "exit $?"; grep -A4 "^model" "$LOG/shaped.log"
   ;;
 speed)
   T=/tmp/qwen3-2b-random/target; D=/tmp/qwen3-2b-random/drafter
   [ -f /tmp/qwen3-2b-random/.done ] || python3 -c "
 import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'))"
+  if [ -z "${TPS:-}" ] || [ "${TPS}" = "$N" ]; then
+    banner "Qwen3-shaped random model at TP = $N (near-tie check)"
+    TP=$N timeout 200 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
+      --no-dflash --budgets 60 > "$LOG/shaped.log" 2>&1
+    echo "exit $?"; grep -A4 "^model" "$LOG/shaped.log"; cleanup
+  fi
   for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
     timeout 270 python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
