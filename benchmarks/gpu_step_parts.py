@@ -1,6 +1,7 @@
 """Cost of each DDTree-specific part of a decode step at Qwen3-8B shape (no vLLM needed).
 
-    python3 benchmarks/gpu_step_parts.py [--out DIR]
+    python3 benchmarks/gpu_step_parts.py [--out DIR] [--requests 1,8,32] [--budgets 15,64,256]
+                                         [--max-k 16[,32]]
 
 For requests R in {1, 8, 32} and budgets B in {15, 64, 256}: the tree build (+ layout and
 store, as in the drafter's CUDA graph), the per-row metadata fill, the fused walk, the
@@ -107,19 +108,28 @@ def case(R, B, dev="cuda"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="step-parts")
+    ap.add_argument("--requests", default="1,8,32")
+    ap.add_argument("--budgets", default="15,64,256")
+    ap.add_argument("--max-k", default="16", help="comma list: the fused top-k kernel's "
+                    "largest k (vllm_ddtree.kernels.topk_lse.MAX_K); one row set per value")
     args = ap.parse_args()
+    import vllm_ddtree.kernels.topk_lse as topk_lse
+
     rows = []
-    for R in (1, 8, 32):
-        for B in (15, 64, 256):
-            r = case(R, B)
-            rows.append(dict(R=R, B=B, **r))
-            print(json.dumps(rows[-1]), flush=True)
+    for mk in (int(x) for x in args.max_k.split(",")):
+        topk_lse.MAX_K = mk  # read by build_tree at call time
+        for R in (int(x) for x in args.requests.split(",")):
+            for B in (int(x) for x in args.budgets.split(",")):
+                r = case(R, B)
+                rows.append(dict(maxk=mk, R=R, B=B, **r))
+                print(json.dumps(rows[-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=1))
-    keys = [k for k in rows[0] if k not in ("R", "B")]
-    print("\n  R    B  " + "  ".join(f"{k:>11}" for k in keys) + "   (ms)")
+    keys = [k for k in rows[0] if k not in ("maxk", "R", "B")]
+    print("\nmaxK   R    B  " + "  ".join(f"{k:>11}" for k in keys) + "   (ms)")
     for r in rows:
-        print(f"{r['R']:>3} {r['B']:>4}  " + "  ".join(f"{r[k]:>11.3f}" for k in keys))
+        print(f"{r['maxk']:>4} {r['R']:>3} {r['B']:>4}  "
+              + "  ".join(f"{r[k]:>11.3f}" for k in keys))
 
 
 if __name__ == "__main__":

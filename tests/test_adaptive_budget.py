@@ -17,14 +17,18 @@ def test_schedule_shape():
     assert s[0][0] == 1 and all(a[1] + 1 == b[0] for a, b in zip(s, s[1:]))
     budgets = [b for _, _, b in s]
     assert budgets == sorted(budgets, reverse=True)  # never grows with the batch
-    assert budgets[0] == 64  # batch 1 on an H200-8B cost curve (verify-cost.md)
+    assert budgets[0] == 63  # batch 1 on an H200-8B cost curve (verify-cost.md)
     assert budgets[-1] == 15  # large batches: the chain's width, a D-node tree
     assert budget_schedule(15, 15) == [(1, 1 << 20, 15)]
     assert max(b for _, _, b in budget_schedule(40, 15)) <= 40
 
 
 def test_model_pieces():
-    assert candidates(256, 15) == [15, 16, 32, 64, 128, 256]
+    # whole 16-row attention blocks: 2**k - 1 nodes and the largest 16 m - 1
+    assert candidates(256, 15) == [15, 31, 63, 127, 255]
+    assert candidates(100, 15) == [15, 31, 63, 95]
+    assert candidates(32, 15) == [15, 31]
+    assert candidates(12, 7) == [7, 12] and candidates(15, 15) == [15]
     assert step_cost(1, 1) == pytest.approx(1.15)
     assert step_cost(16, 65) > step_cost(1, 65) > step_cost(1, 16)
     assert tau(512, 15) > tau(64, 15) > tau(15, 15)
@@ -98,7 +102,7 @@ def test_engine_budget_follows_batch(root):
         taus.append(1 + (a1 - a0) / (d1 - d0))
     del llm
     gc.collect()
-    # batch 1 -> budget 64: the tree holds the target's path (tau 2); batch 8 -> budget 15:
+    # batch 1 -> budget 63: the tree holds the target's path (tau 2); batch 8 -> budget 15:
     # a 15-node tree here is the drafter's wrong chain (tau 1)
     assert taus[0] == pytest.approx(2.0, abs=0.1)
     assert taus[1] < 1.3

@@ -7,7 +7,7 @@ verify width, and DDTree's drafts are in best-first order, so the first ``n`` no
 the budget-``B`` tree are exactly the best ``n``-node tree.  Cutting the tree is free.
 
 The schedule maximizes ``tau(B) / step_cost(batch, 1 + B)`` per batch size over a small
-set of budgets (``D`` and powers of two up to the configured maximum), using
+set of budgets (``D``, ``2**k - 1`` up to the configured maximum, and the maximum), using
 
 * ``step_cost``: one H200, Qwen3-8B-shaped target, verify of ``n`` tokens per request at
   batch ``b``, relative to ``n = 1`` (``../shared/docs/verify-cost.md``), plus a drafter
@@ -70,12 +70,23 @@ def tau(budget: int, depth: int) -> float:
 
 
 def candidates(max_budget: int, depth: int) -> list[int]:
-    out = {min(depth, max_budget), max_budget}
-    b = 16
-    while b < max_budget:
+    """``D``, the budgets ``2**k - 1`` above ``D`` up to the maximum, and the largest
+    ``16 m - 1`` up to the maximum.  ``16 m - 1`` nodes verify ``16 m`` rows per request,
+    whole 16-row blocks of the Triton tree attention: one node more opens a block for one
+    row (measured on an H200 at 8B shape, 36 layers in a CUDA graph: R = 32, B = 31
+    0.90 ms against B = 32 1.85 ms; R = 8, B = 63 0.67 ms against B = 64 1.15 ms;
+    docs/benchmarks/performance.md).  A maximum with no such budget above ``D`` is kept."""
+    out = {min(depth, max_budget)}
+    b = 15
+    while b <= max_budget:
         if b > depth:
             out.add(b)
-        b *= 2
+        b = 2 * b + 1
+    top = (max_budget + 1) // 16 * 16 - 1
+    if top > depth:
+        out.add(top)
+    elif max_budget > depth and len(out) == 1:
+        out.add(max_budget)
     return sorted(out)
 
 

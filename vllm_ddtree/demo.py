@@ -44,7 +44,7 @@ CODE_PROMPTS = [
 ]
 VARIANTS = ("smollm", "tree_beats_chain", "random")
 # tree_beats_chain: 30 = 2 D, room for the runner-up; smollm: a small verify width (33 rows)
-DEFAULT_BUDGET = {"smollm": 32, "tree_beats_chain": 30, "random": 15}
+DEFAULT_BUDGET = {"smollm": 31, "tree_beats_chain": 30, "random": 15}
 
 
 def cache_dir() -> Path:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", choices=[*VARIANTS, "all"], default="smollm",
                    help="which model pair to run (default: smollm)")
     p.add_argument("--budget", type=int, default=None,
-                   help="DDTree budget B (tree nodes verified per step); default 32 for "
+                   help="DDTree budget B (tree nodes verified per step); default 31 for "
                         "smollm, 30 for tree_beats_chain, 15 for random")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per prompt (default 64)")
