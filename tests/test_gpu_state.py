@@ -3,6 +3,7 @@ TreeBuffers (store -> commit -> fill_rows -> walk) against the Python reference 
 with vLLM's batch layout (requests reordered between steps, a tree cut short by the
 scheduler, a prefill chunk and a chain-fallback request in the same batch)."""
 
+import pytest
 import torch
 
 from vllm_ddtree.gpu.state import TreeBuffers, needs_chain
@@ -167,3 +168,19 @@ def test_nonfinite_draft_logits_give_bonus_only_steps():
     sampled, acc = tb.walk(targets, cu, idx, 3, impl="torch")
     assert acc.num_accepted[1:].tolist() == [1, 1]  # root only
     assert sampled[1:, 0].tolist() == [int(targets[W]), int(targets[2 * W])]  # the bonus
+
+
+def test_verifier_calls_vllm_methods_by_parameter_name_once_per_function():
+    pytest.importorskip("vllm")
+    import vllm_ddtree.gpu.verifier as verifier
+
+    class Sampler:
+        def sample(self, logits, idx_mapping=None, pos=None):
+            return logits, idx_mapping, pos
+
+    s = Sampler()
+    verifier._param_names.cache_clear()
+    assert verifier._call_by_name(s.sample, logits=1, pos=3, unknown=9) == (1, None, 3)
+    assert verifier._call_by_name(s.sample, logits=2, idx_mapping=5) == (2, 5, None)
+    info = verifier._param_names.cache_info()
+    assert (info.misses, info.hits) == (1, 1)  # the signature is read once, not per step

@@ -14,6 +14,7 @@ sampler (``ModelState.custom_sampler``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -31,10 +32,16 @@ def _returns_logprobs(sampler, idx_mapping_np) -> bool:
     return sampler.sampling_states.max_num_logprobs(idx_mapping_np) != NO_LOGPROBS
 
 
+@functools.lru_cache(maxsize=16)
+def _param_names(func) -> frozenset[str]:
+    return frozenset(inspect.signature(func).parameters)
+
+
 def _call_by_name(fn, **available):
     """Call ``fn`` with the arguments its signature names (vLLM versions add and
-    reorder arguments of these internal methods)."""
-    params = inspect.signature(fn).parameters
+    reorder arguments of these internal methods).  The signature is read once per
+    function, not every step."""
+    params = _param_names(getattr(fn, "__func__", fn)) - {"self"}
     return fn(**{k: v for k, v in available.items() if k in params})
 
 
