@@ -21,6 +21,7 @@
 #   x2  carry .gpu/bundle.part-02   unpack, install; two queues at once, one per GPU:
 #       GPU 0: `vllm serve` check, reliability tests; GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
+#   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32.
 # Session 4 lessons: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
 # graphs (imports ~1 min, compile ~40 s), so two servers need > 300 s; and the machine
 # goes back 30 s after a call: issue the next call at once, read results later.
@@ -112,6 +113,19 @@ x2)
     echo "exit $?"; tail -n 12 "$LOG/sampling.log"
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
+  ;;
+p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
+  # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and
+  # DDTree-15 (equal width: the fixed overhead), p2 = DDTree-31 and -32 (width, 33rd row)
+  SH=/tmp/qwen3-2b-random
+  [ -f $SH/.done ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
+  if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
+  timeout 560 python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
+    --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile \
+    --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/prof" > "$LOG/prof.log" 2>&1
+  echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -99,6 +99,8 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
                              step_ms=1000 * wall / max(steps, 1.0),
                              tok_s=toks / wall, tok_s_per_req=toks / wall / n,
                              output_tokens=toks, wall_s=wall))
+            if args.profile:
+                rows[-1].update(profile_generate(llm, batch, sp, steps))
             bar.write(json.dumps(rows[-1]))
             bar.update(1)
     del llm
@@ -106,6 +108,29 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_generate(llm, batch, sp, steps: float, top: int = 6) -> dict:
+    """The same generate again under torch.profiler (engine in this process: --profile
+    sets VLLM_ENABLE_V1_MULTIPROCESSING=0): wall and GPU-busy time per step (the sum of
+    the kernel times the profiler records) and the kernels that take longest.  Profiling
+    slows the host side, so compare GPU-busy with the unprofiled step time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        llm.generate(batch, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages()
+               if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    per = max(steps, 1.0)
+    return dict(prof_wall_ms=1000 * wall / per, gpu_busy_ms=busy_us / 1000 / per,
+                top_kernels=[(e.key[:60], round(e.self_device_time_total / 1000 / per, 4),
+                              round(e.count / per, 2)) for e in kernels[:top]])
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -167,7 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run each cell once under torch.profiler (engine in this "
+                         "process): GPU-busy ms per step and the top kernels")
     args = ap.parse_args(argv)
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
@@ -218,6 +248,13 @@ def main(argv=None) -> int:
         print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
               f"{f(r['vs_dflash']):>9} {f(r['vs_ar']):>6}")
+    if args.profile:
+        print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'wall ms/step':>12} {'GPU busy':>9}"
+              "   top kernels (ms per step, launches per step)")
+        for r in rows:
+            tops = "; ".join(f"{k} {ms:.3f} x{c:g}" for k, ms, c in r["top_kernels"][:3])
+            print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} "
+                  f"{r['prof_wall_ms']:>12.2f} {r['gpu_busy_ms']:>9.2f}   {tops}")
     return 0
 
 
