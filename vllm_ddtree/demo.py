@@ -72,11 +72,9 @@ class Run:
 
 
 def _spec_counters(llm) -> tuple[int, int, int]:
-    m = {x.name: x.value for x in llm.get_metrics()
-         if x.name.startswith("vllm:spec_decode_num") and hasattr(x, "value")}
-    return (int(m.get("vllm:spec_decode_num_drafts", 0)),
-            int(m.get("vllm:spec_decode_num_draft_tokens", 0)),
-            int(m.get("vllm:spec_decode_num_accepted_tokens", 0)))
+    from vllm_ddtree.stats import spec_counts
+
+    return tuple(spec_counts(llm))
 
 
 def _close(llm) -> None:

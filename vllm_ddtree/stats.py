@@ -1,9 +1,41 @@
-"""Statistics shared by the distribution tests and benchmarks (needs scipy)."""
+"""Statistics shared by the tests, benchmarks and demo: vLLM's spec-decode counters of an
+``LLM``, and a two-sample chi-square test (needs scipy)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+_PREFIX = "vllm:spec_decode_num_"
+
+
+class SpecCounts(NamedTuple):
+    """vLLM's cumulative spec-decode counters (one draft = one request's verify step)."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length: tokens per verify step (None before any draft)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    def __sub__(self, other: SpecCounts) -> SpecCounts:
+        return SpecCounts(*(a - b for a, b in zip(self, other)))
+
+
+def spec_counts(llm, strict: bool = False) -> SpecCounts:
+    """The counters of an ``LLM`` built with ``disable_log_stats=False``.  ``strict``: a
+    missing counter raises ``KeyError`` (a speculative engine must export all three);
+    otherwise it counts 0 (an engine without speculation)."""
+    m = {x.name: x.value for x in llm.get_metrics()
+         if x.name.startswith(_PREFIX) and hasattr(x, "value")}
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    if strict:
+        return SpecCounts(*(int(m[_PREFIX + n]) for n in names))
+    return SpecCounts(*(int(m.get(_PREFIX + n, 0)) for n in names))
 
 
 def two_sample_p_value(xs: Sequence[Hashable], ys: Sequence[Hashable],
