@@ -7,7 +7,8 @@ verify width, and DDTree's drafts are in best-first order, so the first ``n`` no
 the budget-``B`` tree are exactly the best ``n``-node tree.  Cutting the tree is free.
 
 The schedule maximizes ``tau(B) / step_cost(batch, 1 + B)`` per batch size over a small
-set of budgets (``D``, ``2**k - 1`` up to the configured maximum, and the maximum), using
+set of budgets (``D``, ``2**k - 1`` and the largest ``16 m - 1`` up to the configured
+maximum: whole 16-row tree-attention blocks, see ``candidates``), using
 
 * ``step_cost``: one H200, Qwen3-8B-shaped target, verify of ``n`` tokens per request at
   batch ``b``, relative to ``n = 1`` (``../shared/docs/verify-cost.md``), plus a drafter

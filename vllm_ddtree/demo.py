@@ -43,7 +43,8 @@ CODE_PROMPTS = [
     "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
 ]
 VARIANTS = ("smollm", "tree_beats_chain", "random")
-# tree_beats_chain: 30 = 2 D, room for the runner-up; smollm: a small verify width (33 rows)
+# tree_beats_chain: 30 = 2 D, room for the runner-up; smollm: a small verify width (32 rows,
+# whole 16-row blocks of the GPU tree attention)
 DEFAULT_BUDGET = {"smollm": 31, "tree_beats_chain": 30, "random": 15}
 
 

@@ -32,6 +32,8 @@ def make_normalize_context_k(original):
 def apply(patches: PatchSet) -> None:
     import importlib
 
-    model = importlib.import_module(MODULE).DFlashQwen3Model
-    original = model.__dict__["_normalize_context_k"]
+    model = getattr(importlib.import_module(MODULE), "DFlashQwen3Model", None)
+    original = getattr(model, "__dict__", {}).get("_normalize_context_k")
+    if original is None:  # a vLLM without this code path: nothing to fix (the ledger's
+        return  # surface test reports the missing symbol)
     patches.setattr(model, "_normalize_context_k", make_normalize_context_k(original))
