@@ -11,7 +11,7 @@
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
 #   c   carry .gpu/bundle.part-00                      stash
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
-#       `vllm serve` vs no speculation, T>0 distribution test, reliability tests (#4 #5 #9)
+#       `vllm serve` vs no speculation, T>0 distribution test (#4 #5)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
@@ -19,7 +19,8 @@
 # On nvidia-h200-x2 (the tree is ~25 MB, so a 40 MB bundle part fills a call): calls
 # `gpu_tp.sh 2 stash` with .gpu/bundle.part-00, then -01, then
 #   x2  carry .gpu/bundle.part-02   unpack, install; two queues at once, one per GPU:
-#       GPU 0: `vllm serve` check, reliability tests; GPU 1: T>0 distribution test
+#       GPU 0: `vllm serve` check, margin fixtures at TP = 1 (digests; REL=1: also the
+#       reliability tests, done on the H200 in session 5); GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
 #   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32.
 # Session 4 lessons: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
@@ -31,10 +32,9 @@ OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
 TRAIN=/root/trainout
 cd "$(dirname "$0")/.."
 source .gpu/unpack.sh
-banner() { echo; echo "=== $* ($(date +%T))"; }
+source benchmarks/gpu_common.sh
 install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
-cleanup() { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; } 2>/dev/null
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
 
 case $STAGE in
@@ -56,18 +56,15 @@ b)
 c)
   train_status
   ;;
-d1)
+d1)  # one GPU: serve check, then the T > 0 test (stage x2 runs both at once on two GPUs)
   install
   train_status
   banner "vllm serve (CUDA graphs) vs no speculation"
-  timeout 200 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 2>&1 | tail -n 8; cleanup
+  timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 > "$LOG/serve.log" 2>&1
+  echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"; cleanup
   banner "T > 0 distribution test (bf16)"
-  timeout 200 python3 benchmarks/gpu_sampling.py --out "$LOG/sampling" > "$LOG/sampling.log" 2>&1
-  echo "exit $?"; tail -n 12 "$LOG/sampling.log"; cleanup
-  banner "reliability tests on the GPU (VLLM_DDTREE_TEST_GPU=1)"
-  VLLM_DDTREE_TEST_GPU=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
-  echo "exit $?"; grep -E "^(load|preemption):|passed|failed|error" "$LOG/reliability.log" | tail -n 8
+  watchdog 270 "$LOG/sampling.log" python3 benchmarks/gpu_sampling.py --out "$LOG/sampling"
+  echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40; cleanup
   train_status
   ;;
 e1)
@@ -100,17 +97,24 @@ x2)
   (  # GPU 0 (no pkill cleanup in here: the other queue runs vLLM too)
     export CUDA_VISIBLE_DEVICES=0
     banner "vllm serve (CUDA graphs) vs no speculation"
-    timeout 330 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 2>&1 | tail -n 8
-    banner "reliability tests on the GPU (VLLM_DDTREE_TEST_GPU=1)"
-    VLLM_DDTREE_TEST_GPU=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
-    echo "exit $?"; grep -E "^(load|preemption):|passed|failed|error" "$LOG/reliability.log" | tail -n 8
+    timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 > "$LOG/serve.log" 2>&1
+    echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"
+    banner "margin fixtures at TP = 1 (digests for the TP = 2 check)"
+    watchdog 270 "$LOG/margin1.log" python3 benchmarks/gpu_correctness.py --out "$LOG/margin1" \
+      --fixtures tree_beats_chain,accept_all --budgets 60 --graphs 1 --batches 1,32 --ref-eager
+    echo "exit $?"; sed -n '/^fixture/,$p' "$LOG/margin1.log"
+    if [ "${REL:-0}" = 1 ]; then
+      banner "reliability tests on the GPU (VLLM_DDTREE_TEST_GPU=1)"
+      VLLM_DDTREE_TEST_GPU=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
+      echo "exit $?"; grep -E "^(load|preemption):|passed|failed|error" "$LOG/reliability.log" | tail -n 8
+    fi
   ) > "$LOG/gpu0.log" 2>&1 &
   (
     export CUDA_VISIBLE_DEVICES=1
     banner "T > 0 distribution test (bf16)"
-    timeout 560 python3 benchmarks/gpu_sampling.py --out "$LOG/sampling" > "$LOG/sampling.log" 2>&1
-    echo "exit $?"; tail -n 12 "$LOG/sampling.log"
+    watchdog 540 "$LOG/sampling.log" python3 benchmarks/gpu_sampling.py --out "$LOG/sampling"
+    echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
   ;;

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 from pathlib import Path
 
 CONFIGS = {"t1": dict(temperature=1.0), "top_k": dict(temperature=1.0, top_k=2),
@@ -43,10 +44,11 @@ def main():
     args = ap.parse_args()
     dtype, kw = "bfloat16", {}
     if args.cpu:
-        import os
-
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         dtype, kw = "float32", dict(enforce_eager=True)
+    # Fresh engine processes: on the H200 (sessions 4 and 5) the forked engine core of this
+    # script stopped after "Using V2 Model Runner" and never loaded the model.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import torch
     from vllm import LLM, SamplingParams
 

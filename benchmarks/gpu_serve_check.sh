@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `vllm serve` with DDTree on the GPU machine (CUDA graphs on), against the same target
 # served without speculation: greedy token ids of a few completions (one batched request
-# and single ones) must be identical; prints the spec-decode metrics.
+# and single ones) must be identical; prints the spec-decode metrics.  The summary goes to
+# OUT_DIR/result.txt and is printed last.  The reference server runs eager (PLAIN_EAGER=0:
+# with CUDA graphs too): it only gives the tokens, and skips ~40 s of compilation.
 #   bash benchmarks/gpu_serve_check.sh OUT_DIR [BUDGET [EXTRA SERVE ARGS...]]
 #   (e.g. --tensor-parallel-size 2)
 # (CPU check of the script: SERVE="python -m vllm.entrypoints.openai.api_server --model")
@@ -18,12 +20,13 @@ serve() {  # port log [extra args...]
 }
 up() { for _ in $(seq 1 180); do curl -sf "localhost:$1/health" >/dev/null && return 0; sleep 1; done
        echo "server on port $1 did not come up"; return 1; }
-serve 8012 "$OUT/plain.log"; PLAIN=$!
+PLAIN_ARGS=(); [ "${PLAIN_EAGER:-1}" = 1 ] && PLAIN_ARGS=(--enforce-eager)
+serve 8012 "$OUT/plain.log" "${PLAIN_ARGS[@]}"; PLAIN=$!
 up 8012   # one at a time: vLLM's memory profiling must not see the other start
 serve 8011 "$OUT/server.log" --speculative-config \
   "{\"method\":\"ddtree\",\"model\":\"$D\",\"num_speculative_tokens\":$B}"; SPEC=$!
 up 8011
-python3 - <<'PY'
+python3 - > "$OUT/result.txt" 2>&1 <<'PY'
 import json, urllib.request
 
 def post(port, body):
@@ -50,5 +53,7 @@ d = sum(v for k, v in c.items() if k.startswith("vllm:spec_decode_num_drafts"))
 a = sum(v for k, v in c.items() if k.startswith("vllm:spec_decode_num_accepted_tokens"))
 print(f"tau = {1 + a / max(d, 1):.2f}")
 PY
-grep -m1 -o "KV compaction.\{0,100\}" "$OUT/server.log"; grep -m3 -i -o ".\{0,60\}cuda \?graph.\{0,60\}" "$OUT/server.log"
+{ grep -m1 -o "KV compaction.\{0,100\}" "$OUT/server.log"
+  grep -m2 -o "Graph capturing finished.*" "$OUT/server.log"; } >> "$OUT/result.txt"
 kill $SPEC $PLAIN; wait 2>/dev/null
+echo "=== serve check result"; cat "$OUT/result.txt"

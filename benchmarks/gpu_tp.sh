@@ -10,7 +10,8 @@
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
-#        the margin fixtures (budgets 15 and 60, batches 1 and 32, CUDA graphs on).
+#        the margin fixtures (budget 60, batches 1 and 32, CUDA graphs on; eager reference),
+#        with digests of the outputs to compare with TP = 1.
 # speed: the random-model near-tie check on the Qwen3-shaped model (16 / 8 heads) at TP = N,
 #        then AR vs DFlash vs DDTree throughput on that pair at TP = 1 and TP = N, batch 1
 #        and 32 (random drafts: this measures step cost, not acceptance).
@@ -25,8 +26,7 @@ source .gpu/unpack.sh
 export NCCL_NVLS_ENABLE=0
 # 8 query heads for TP = 8 (the default pairs have 4); harmless for TP = 2
 [ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
-banner() { echo; echo "=== $* ($(date +%T))"; }
-cleanup() { [ -n "${NO_CLEANUP:-}" ] || { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; }; } 2>/dev/null
+source benchmarks/gpu_common.sh
 
 case $STAGE in
 stash) ;;
@@ -34,13 +34,14 @@ check)
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
   nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
   banner "vllm serve --tensor-parallel-size $N, DDTree vs no speculation"
-  timeout 330 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
-    2>&1 | tail -n 6; cleanup
-  banner "margin fixtures at TP = $N"
-  timeout 240 python3 benchmarks/gpu_correctness.py --out "$LOG/margin" --tp "$N" \
-    --fixtures tree_beats_chain,accept_all --budgets 15,60 --graphs 1 --batches 1,32 \
-    > "$LOG/margin.log" 2>&1
-  echo "exit $?"; grep -A12 "^fixture" "$LOG/margin.log"; cleanup
+  timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
+    > "$LOG/serve.log" 2>&1
+  echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"; cleanup
+  banner "margin fixtures at TP = $N (digests: compare with TP = 1, stage x2 of gpu_lease.sh)"
+  watchdog 280 "$LOG/margin.log" python3 benchmarks/gpu_correctness.py --out "$LOG/margin" \
+    --tp "$N" --fixtures tree_beats_chain,accept_all --budgets 60 --graphs 1 --batches 1,32 \
+    --ref-eager
+  echo "exit $?"; sed -n '/^fixture/,$p' "$LOG/margin.log"; cleanup
   ;;
 speed)
   T=/tmp/qwen3-2b-random/target; D=/tmp/qwen3-2b-random/drafter

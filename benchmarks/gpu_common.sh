@@ -1,0 +1,22 @@
+# Sourced by the GPU lease scripts (gpu_lease.sh, gpu_tp.sh): shared shell helpers.
+banner() { echo; echo "=== $* ($(date +%T))"; }
+cleanup() { [ -n "${NO_CLEANUP:-}" ] || { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; }; } 2>/dev/null
+descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
+# watchdog SECS LOG CMD...: CMD with stdout and stderr in LOG and Python's faulthandler on.
+# Past SECS every process under it gets SIGABRT, so each Python one writes its stacks to
+# LOG (where a hang sits), then SIGKILL; returns 124 like `timeout`.
+watchdog() {
+  local secs=$1 log=$2 pid t=0 all; shift 2
+  PYTHONFAULTHANDLER=1 "$@" > "$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$t" -ge "$secs" ]; then
+      all=$(descendants "$pid")
+      echo "watchdog: past ${secs}s, SIGABRT to $pid $all; stacks follow" >> "$log"
+      kill -ABRT $all "$pid" 2>/dev/null; sleep 5; kill -9 $all "$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null; return 124
+    fi
+    sleep 2; t=$((t + 2))
+  done
+  wait "$pid"
+}
