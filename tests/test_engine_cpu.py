@@ -161,3 +161,38 @@ def test_logprobs_request_matches_no_speculation(pairs):
         for a, b in zip(lp_a, lp_b):
             assert a.keys() == b.keys()
             assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
+def test_chunked_prefill_and_prefix_caching_match_no_speculation(pairs):
+    """Issue 9: long prompts are prefilled in chunks (longer than the step's token budget)
+    in the same steps in which the short requests verify their trees, and a second pass
+    over the same prompts is served from vLLM's prefix cache.  Greedy output identical to
+    no speculation both times, and DDTree accepts drafts in both."""
+    target, drafter = pairs["accept_all"]
+    long = [f"long {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in range(2)]
+    prompts = PROMPTS[:4] + long  # byte-level tokenizer: the long ones are ~280 tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    budget_tokens = 96  # 4 decoding requests x (1 + 15) rows leave 32 for a prefill chunk
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    llm = _engine(target)
+    ref = run(llm)
+    _close(llm)
+    llm = _engine(target, speculative_config=_spec(drafter, D), enable_prefix_caching=True,
+                  enable_chunked_prefill=True, max_num_batched_tokens=budget_tokens)
+    tok = llm.get_tokenizer()
+    assert min(len(tok(p).input_ids) for p in long) > 2 * budget_tokens  # must be chunked
+
+    def hits():
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+    first = run(llm)
+    c1, hits1 = spec_counts(llm, strict=True), hits()
+    second = run(llm)
+    c2, hits2 = spec_counts(llm, strict=True), hits()
+    _close(llm)
+    assert first == ref and second == ref
+    assert c1.accepted > 0 and c2.accepted > c1.accepted and c2.drafts > c1.drafts
+    assert hits2 > hits1  # the second pass was served from the prefix cache (in blocks)
