@@ -13,7 +13,8 @@
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
 #       `vllm serve` vs no speculation, T>0 distribution test (#4 #5)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
-#       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7)
+#       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
+#       PAIR_METHODS=ar,dflash,ddtree-auto,ddtree-online for the adaptive rows
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
 #
 # On nvidia-h200-x2 (the tree is ~25 MB, so a 40 MB bundle part fills a call): calls
@@ -80,9 +81,11 @@ e1)
   timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
   echo "exit $?"; tail -n 11 "$LOG/parts.log"
   banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
-  timeout 400 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
-    --prompts $D/training_log.json --num-prompts 64 --budgets 16,32,64 \
-    --methods ar,dflash,ddtree,ddtree-auto --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
+  # seven engines at ~1 min each: split over two calls with PAIR_METHODS (one run = one
+  # set of ratios; keep ar and dflash in both halves to have the ratios in each run)
+  timeout 540 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+    --prompts $D/training_log.json --num-prompts 64 --budgets 15,31,63 \
+    --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
     --max-num-batched-tokens 4096 --out "$LOG/pair" > "$LOG/pair.log" 2>&1
   echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
   ;;

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=64, help="cap for a training_log.json")
     ap.add_argument("--methods", default="ar,dflash,ddtree",
                     help="ar, dflash, ddtree (one engine per budget), ddtree-auto (adaptive "
-                         "budget up to the largest of --budgets)")
+                         "budget up to the largest of --budgets), ddtree-online (the same, "
+                         "re-tuned from the trees' expected acceptance)")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
@@ -225,10 +226,11 @@ def main(argv=None) -> int:
     if "ddtree" in wanted:
         methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
                                      "num_speculative_tokens": b}, 1 + b) for b in budgets]
-    if "ddtree-auto" in wanted:
-        methods.append(("ddtree-auto", {"method": "ddtree", "model": str(args.drafter),
-                                        "num_speculative_tokens": max(budgets),
-                                        "ddtree_adaptive_budget": True}, 1 + max(budgets)))
+    for name, mode in (("ddtree-auto", True), ("ddtree-online", "online")):
+        if name in wanted:
+            methods.append((name, {"method": "ddtree", "model": str(args.drafter),
+                                   "num_speculative_tokens": max(budgets),
+                                   "ddtree_adaptive_budget": mode}, 1 + max(budgets)))
     prompts = load_prompts(args.prompts, args.num_prompts)
     from tqdm import tqdm
 

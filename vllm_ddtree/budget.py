@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import mmap
+import os
+import tempfile
 
 # batch -> {verify tokens per request n: step time relative to n = 1}
 VERIFY_COST: dict[int, dict[int, float]] = {
@@ -116,3 +119,144 @@ def budget_schedule(max_budget: int, depth: int) -> list[tuple[int, int, int]]:
             sched.append((lo, hi, pick))
         lo = hi + 1
     return sched
+
+
+# ------------------------------------------------------------ online re-tuning -------
+# ``ddtree_adaptive_budget: "online"``: the same cost model, with the trees' own expected
+# acceptance in place of the paper's tau curve.  The worker publishes, per step, the sum
+# over requests of E_n = sum of the first n nodes' path probabilities (the drafter's
+# expected accepted draft tokens of the best n-node tree) for every candidate n; the
+# scheduler re-fills vLLM's batch-size -> budget lookup from their moving average.
+
+
+def capture_schedule(max_budget: int, depth: int) -> list[tuple[int, int, int]]:
+    """The static schedule, plus one range past any real batch size for each candidate
+    budget it does not use: vLLM captures a CUDA graph for every budget in the schedule,
+    so every width the online policy may pick has one."""
+    sched = budget_schedule(max_budget, depth)
+    used = {b for _, _, b in sched}
+    start = sched[-1][1] + 1
+    for i, b in enumerate(c for c in candidates(max_budget, depth) if c not in used):
+        sched.append((start + i, start + i, b))
+    return sched
+
+
+class OnlineSchedule:
+    """Per-batch-size budget maximizing ``(1 + E_n) / step_cost(batch, 1 + n)`` over the
+    candidate budgets, with ``E_n`` an exponential moving average (``half_life`` steps) of
+    the published per-request expectations.  Before the first observation it keeps
+    whatever lookup it is given (the static schedule).  Budget ``D`` verifies as many
+    rows as the chain and holds at least the chain's expectation, so the pick is never
+    worse than the chain under the model."""
+
+    def __init__(self, max_budget: int, depth: int, max_batch: int, half_life: float = 64):
+        self.budgets = candidates(max_budget, depth)
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.expected: list[float] | None = None
+        self.ranges: list[tuple[int, int, list[float]]] = []
+        for i, b in enumerate(BATCH_BUCKETS):
+            if b > max_batch:
+                break
+            hi = min(BATCH_BUCKETS[i + 1] - 1 if i + 1 < len(BATCH_BUCKETS) else max_batch,
+                     max_batch)
+            mid = round(math.sqrt(b * hi))
+            self.ranges.append((b, hi, [step_cost(mid, 1 + n) for n in self.budgets]))
+
+    def observe(self, steps: float, requests: float, sums: list[float]) -> None:
+        """``steps`` steps with ``requests`` request-trees in all, ``sums[c]``: the sum of
+        their ``E_n`` for budget ``budgets[c]``."""
+        if requests <= 0 or steps <= 0:
+            return
+        mean = [s / requests for s in sums]
+        if self.expected is None:
+            self.expected = mean
+            return
+        w = 1.0 - self.decay ** steps
+        self.expected = [e + w * (m - e) for e, m in zip(self.expected, mean)]
+
+    def pick(self, costs: list[float]) -> int:
+        assert self.expected is not None
+        best = max(range(len(self.budgets)),
+                   key=lambda c: ((1.0 + self.expected[c]) / costs[c], -c))
+        return self.budgets[best]
+
+    def apply(self, lookup: list[int]) -> None:
+        """Re-fill vLLM's dense ``batch size -> budget`` list (index 0 unused) in place."""
+        if self.expected is None:
+            return
+        for lo, hi, costs in self.ranges:
+            b = self.pick(costs)
+            hi = min(hi, len(lookup) - 1)
+            if lo <= hi and lookup[lo] != b:
+                lookup[lo:hi + 1] = [b] * (hi - lo + 1)
+
+
+class StatsChannel:
+    """Worker -> scheduler, through a small memory-mapped file on tmpfs (the scheduler and
+    the tensor-parallel rank 0 worker may be different processes): running sums
+    ``[steps, requests, sum E_n for each candidate]`` as float64.  The scheduler creates it
+    and removes it on close; the worker attaches.  Readers see values a step or so old and
+    possibly mid-update: fine for a moving average.  (A plain file, not
+    ``multiprocessing.shared_memory``: that one's resource tracker, shared by vLLM's worker
+    processes, would unlink or double-unregister the segment.)"""
+
+    DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+    def __init__(self, name: str, width: int, create: bool):
+        self.width = width
+        self.path = os.path.join(self.DIR, name)
+        size = 8 * (2 + width)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(self.path, flags, 0o600)  # attach: FileNotFoundError until created
+        try:
+            if create:
+                os.ftruncate(fd, size)  # zero-filled
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._owner = create
+
+    @staticmethod
+    def name_for(engine_pid: int) -> str:
+        return f"vllm_ddtree_{engine_pid}"
+
+    def add(self, requests: int, sums: list[float]) -> None:
+        with memoryview(self._mm).cast("d") as v:  # no view outlives the call
+            for i, s in enumerate(sums):
+                v[2 + i] += s
+            v[1] += requests
+            v[0] += 1
+
+    def read(self) -> tuple[float, float, list[float]]:
+        with memoryview(self._mm).cast("d") as v:
+            vals = v.tolist()
+        return vals[0], vals[1], vals[2:2 + self.width]
+
+    def close(self) -> None:
+        self._mm.close()
+        if self._owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class OnlineTuner:
+    """Scheduler side: every ``every`` calls, fold the channel's new sums into the
+    policy and re-fill the lookup.  Pure Python, a few microseconds per call."""
+
+    def __init__(self, schedule: OnlineSchedule, channel: StatsChannel, every: int = 16):
+        self.schedule, self.channel, self.every = schedule, channel, every
+        self._calls = 0
+        self._last = (0.0, 0.0, [0.0] * channel.width)
+
+    def tick(self, lookup: list[int]) -> None:
+        self._calls += 1
+        if self._calls % self.every:
+            return
+        steps, reqs, sums = self.channel.read()
+        s0, r0, u0 = self._last
+        if steps > s0:
+            self.schedule.observe(steps - s0, reqs - r0, [a - b for a, b in zip(sums, u0)])
+            self.schedule.apply(lookup)
+            self._last = (steps, reqs, sums)

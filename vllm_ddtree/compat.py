@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 SKIP_VERSION_ENV = "VLLM_DDTREE_SKIP_VERSION_CHECK"
 
@@ -67,6 +68,36 @@ def installed_vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def online_publisher(vllm_config: Any, device: Any, max_reqs: int) -> Any:
+    """The worker's :class:`~vllm_ddtree.online.ExpectationPublisher` for
+    ``ddtree_adaptive_budget: "online"`` (else None).  Publishes on tensor-parallel rank 0
+    only, to the scheduler's process: this process with vLLM's in-process executor
+    (``uni``), the parent with its multiprocess one (``mp``); other executors (Ray) get
+    the static schedule, with a warning."""
+    from vllm_ddtree.config import ddtree_params, is_online
+
+    spec = vllm_config.speculative_config
+    if not is_online(spec):
+        return None
+    import os
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from vllm_ddtree.online import ExpectationPublisher
+
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    pid = {"uni": os.getpid(), "mp": os.getppid()}.get(backend) \
+        if isinstance(backend, str) else None
+    if get_tensor_model_parallel_rank() != 0:
+        pid = None  # every rank builds the same trees: rank 0 speaks for all
+    elif pid is None:
+        get_logger(__name__).warning(
+            "vllm-ddtree: ddtree_adaptive_budget='online' needs vLLM's 'uni' or 'mp' "
+            "executor (got %r): the budget schedule stays static.", backend)
+    budget, depth = ddtree_params(spec)
+    return ExpectationPublisher(budget, depth, max_reqs, device, pid)
 
 
 def get_logger(name: str) -> logging.Logger:

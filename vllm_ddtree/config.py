@@ -14,7 +14,9 @@ User-facing knobs, all inside ``--speculative-config``:
 * ``ddtree_max_depth`` (optional): caps the tree depth D.
 * ``ddtree_adaptive_budget`` (optional, default false): B becomes the largest budget and
   vLLM's per-batch-size draft count (``num_speculative_tokens_per_batch_size``) is set
-  from :mod:`vllm_ddtree.budget`'s cost model (big trees at small batches).
+  from :mod:`vllm_ddtree.budget`'s cost model (big trees at small batches).  ``"online"``:
+  the same, then re-tuned while serving from the trees' own expected acceptance
+  (:class:`vllm_ddtree.budget.OnlineSchedule`).
 
 The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After
 validation vLLM sees ``method="dflash"`` with ``num_speculative_tokens=B``;
@@ -38,6 +40,7 @@ MARKER_FIELD = "ddtree_enabled"
 DEPTH_FIELD = "ddtree_depth"
 MAX_DEPTH_FIELD = "ddtree_max_depth"
 ADAPTIVE_FIELD = "ddtree_adaptive_budget"
+ONLINE = "online"  # ddtree_adaptive_budget value of the run-time re-tuned schedule
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,12 @@ EXTRA_FIELDS: tuple[ExtraField, ...] = (
     ),
     ExtraField(
         ADAPTIVE_FIELD,
-        bool,
+        bool | str,
         False,
         "DDTree only: num_speculative_tokens is the largest tree budget and the budget "
         "per batch size comes from vllm_ddtree.budget (vLLM's dynamic speculative "
-        "decoding schedule).",
+        "decoding schedule); 'online': re-tuned at run time from the trees' own "
+        "expected acceptance.",
     ),
     ExtraField(
         MARKER_FIELD,
@@ -305,6 +309,12 @@ def is_ddtree(speculative_config: Any) -> bool:
     if getattr(speculative_config, MARKER_FIELD, False) is True:
         return True
     return getattr(speculative_config, "method", None) == METHOD
+
+
+def is_online(speculative_config: Any) -> bool:
+    """True for ``ddtree_adaptive_budget: "online"`` on a DDTree config."""
+    return is_ddtree(speculative_config) and \
+        getattr(speculative_config, ADAPTIVE_FIELD, False) == ONLINE
 
 
 def ddtree_params(speculative_config: Any) -> tuple[int, int]:

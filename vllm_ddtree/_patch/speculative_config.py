@@ -113,10 +113,10 @@ def _make_post_init(original: Any) -> Any:
                     )
             return original(self)
         adaptive = getattr(self, ddcfg.ADAPTIVE_FIELD, False)
-        if adaptive is not False and adaptive is not True:
+        if adaptive is not False and adaptive is not True and adaptive != ddcfg.ONLINE:
             raise ddcfg.DDTreeConfigError(
-                f"speculative_config.{ddcfg.ADAPTIVE_FIELD}={adaptive!r} is invalid: use true "
-                "or false.")
+                f"speculative_config.{ddcfg.ADAPTIVE_FIELD}={adaptive!r} is invalid: use true, "
+                f"false or {ddcfg.ONLINE!r}.")
         if adaptive and getattr(self, "num_speculative_tokens_per_batch_size", None):
             raise ddcfg.DDTreeConfigError(
                 f"speculative_config.{ddcfg.ADAPTIVE_FIELD}=true and "
@@ -139,9 +139,10 @@ def _make_post_init(original: Any) -> Any:
         depth = ddcfg.resolve_depth(budget, block_size, max_depth)
         setattr(self, ddcfg.DEPTH_FIELD, depth)
         if adaptive:
-            from vllm_ddtree.budget import budget_schedule
+            from vllm_ddtree.budget import budget_schedule, capture_schedule
 
-            self.num_speculative_tokens_per_batch_size = budget_schedule(budget, depth)
+            make = capture_schedule if adaptive == ddcfg.ONLINE else budget_schedule
+            self.num_speculative_tokens_per_batch_size = make(budget, depth)
         return result
 
     return __post_init__

@@ -21,7 +21,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.compat import get_logger, log_nonfinite_drafts
+from vllm_ddtree.compat import get_logger, log_nonfinite_drafts, online_publisher
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.gpu import state as state_mod
 from vllm_ddtree.gpu.state import TreeBuffers
@@ -51,6 +51,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         # copy into pinned memory, read one step later (no sync)
         self._nonfinite_host = torch.zeros(1, dtype=torch.int64).pin_memory()
         self._nonfinite_logged = 0
+        # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
+        self.online = online_publisher(vllm_config, device, self.max_num_reqs)
 
     # -- load --------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -93,6 +95,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         logits = self.model.compute_logits(hidden[rows]).view(num_reqs, D, -1)
         tree = build_tree(logits, B)
         self.tree.store_batch(tree, logits, self.draft_tokens)
+        if self.online is not None:
+            self.online.store(tree.scores)
 
     # -- one step ----------------------------------------------------------------------
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -124,6 +128,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     self.device, non_blocking=True)
                 self.tree.apply_chain_fallback(rows, self.draft_tokens)
             self.tree.commit(input_batch.idx_mapping, n)
+            if self.online is not None:
+                self.online.publish(n)
         return out
 
     def _report_nonfinite(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.compat import get_logger, log_nonfinite_drafts
+from vllm_ddtree.compat import get_logger, log_nonfinite_drafts, online_publisher
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.proposer.state import TreeStore
 from vllm_ddtree.tree import build_tree, drop_nonfinite
@@ -90,6 +90,8 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits: torch.Tensor | None = None
         self.nonfinite_drafts = 0  # request-steps whose draft logits held NaN/inf
         self._nonfinite_logged = 0
+        self.online = online_publisher(vllm_config, device,
+                                       vllm_config.scheduler_config.max_num_seqs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if self.use_heterogeneous_vocab:  # draft-vocabulary ids: keep vLLM's mapping, chain
@@ -136,8 +138,15 @@ class DDTreeProposer(DFlashProposer):
             return chain
         bs = chain.shape[0]
         logits = self._draft_logits.view(bs, depth, -1)
-        tree = build_tree(logits, min(self.budget, num_speculative_tokens))
+        if self.online is None:
+            tree = build_tree(logits, min(self.budget, num_speculative_tokens))
+        else:  # the full tree's expectations for every candidate budget, then its prefix
+            tree = build_tree(logits, self.budget)
         self.nonfinite_drafts += int(drop_nonfinite(tree, logits).sum())  # CPU: no sync
+        if self.online is not None:
+            self.online.store(tree.scores)
+            self.online.publish(bs)
+            tree = tree.prefix(num_speculative_tokens)
         self._nonfinite_logged = log_nonfinite_drafts(self._nonfinite_logged,
                                                       self.nonfinite_drafts)
         self.store.put(req_ids, tree)

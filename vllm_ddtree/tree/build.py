@@ -62,6 +62,14 @@ class DraftTree:
     def width(self) -> int:
         return self.token_ids.shape[1]
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes of every tree: best-first, so the best ``n``-node trees
+        (a node's parent always comes before it).  Views, no copy."""
+        if n >= self.width:
+            return self
+        return DraftTree(self.token_ids[:, :n], self.parents[:, :n], self.depths[:, :n],
+                         self.num_nodes.clamp(max=n), self.scores[:, :n], self.max_depth)
+
     def expected_accepted(self) -> torch.Tensor:
         """Sum of the nodes' path probabilities: the drafter's expected accepted
         length (excluding the bonus token), per request, as float32."""
