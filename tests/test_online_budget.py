@@ -160,6 +160,7 @@ def test_engine_online_schedule_departs_from_static(root, monkeypatch, tp):
            for p in prompts]  # batch 1: about 4 steps each
     tuner = sched.ddtree_online
     c = spec_counts(llm, strict=True)
+    _, published, _ = tuner.channel.read()  # request-trees published, by rank 0 only
     del llm, sched
     gc.collect()
     assert out == ref
@@ -168,3 +169,6 @@ def test_engine_online_schedule_departs_from_static(root, monkeypatch, tp):
     assert e[0] == pytest.approx(15, abs=0.5) and e[-1] - e[0] < 0.5
     assert lookup[1] == 15  # re-tuned: the extra nodes hold no expectation
     assert c.accepted > 0
+    # one request per step: one tree per verified draft (the last step of each prompt
+    # drafts without a verify; the last publish is pending); twice that if rank 1 spoke
+    assert c.drafts - 1 <= published <= c.drafts + len(prompts), (published, c.drafts)
