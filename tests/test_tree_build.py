@@ -148,3 +148,29 @@ def test_triton_build_matches_torch(kind, R, D, V, budget):
         got = build_tree(x, b, max_budget=budget, impl="triton")
         for f in ("token_ids", "parents", "depths", "num_nodes", "scores"):
             assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+def test_cpu_topk_equals_stable_sort_prefix():
+    """The CPU path's top-k (no full sort of the vocabulary) must rank exactly like a
+    stable descending sort: ties by lower index, -0.0 == +0.0, -inf entries, k >= V."""
+    from vllm_ddtree.tree.build import _topk_exact_ties
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        V = int(torch.randint(2, 300, (1,), generator=g))
+        x = torch.randn(2, 3, V, generator=g)
+        kind = trial % 5
+        if kind == 1:
+            x = torch.randint(0, 3, (2, 3, V), generator=g).float()  # massive ties
+        elif kind == 2:
+            x = torch.full((2, 3, V), float("-inf"))
+            x[..., :2] = 1.0
+        elif kind == 3:
+            x[..., ::3] = float("-inf")
+        elif kind == 4:
+            x[..., ::2] = 0.0
+            x[..., 1::4] = -0.0
+        k = int(torch.randint(1, V + 3, (1,), generator=g))
+        want_v, want_i = torch.sort(x, dim=-1, descending=True, stable=True)
+        got_v, got_i = _topk_exact_ties(x, k)
+        assert torch.equal(got_v, want_v[..., :k]) and torch.equal(got_i, want_i[..., :k])
