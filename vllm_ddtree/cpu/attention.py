@@ -55,31 +55,23 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
         nh, hd = self.num_heads, self.head_size
         out = output.view(output.shape[0], nh, hd)
-        rows_all = []
+        if not step.requests:
+            return
         for req in step.requests:
-            n = req.num_nodes + 1
             if req.is_chain:  # vLLM's causal kernel already computed these rows
-                rows_all.append(torch.arange(req.start, req.start + n))
                 continue
-            rows = slice(req.start, req.start + n)
-            rows_all.append(torch.arange(req.start, req.start + n))
+            rows = slice(req.start, req.start + req.num_nodes + 1)
             p = req.prefix_len
-            nblk = math.ceil(p / bs)
-            blocks = md.block_table[req.index, :nblk].long()
+            blocks = md.block_table[req.index, :math.ceil(p / bs)].long()
             kp = unpack_blocks(key_cache[blocks], layer.isa, True)[:p]
             vp = unpack_blocks(value_cache[blocks], layer.isa, False)[:p]
-            k = torch.cat([kp.to(key.dtype), key[rows]], 0).float()
-            v = torch.cat([vp.to(value.dtype), value[rows]], 0).float()
-            k = k.repeat_interleave(nh // kvh, dim=1).transpose(0, 1)  # [nh, L, hd]
-            v = v.repeat_interleave(nh // kvh, dim=1).transpose(0, 1)
-            mask = torch.cat([torch.ones(n, p, dtype=torch.bool), req.ancestor_mask()], 1)
-            q = query[rows].float().transpose(0, 1)  # [nh, n, hd]
+            k = torch.cat([kp.to(key.dtype), key[rows]], 0).float().transpose(0, 1)
+            v = torch.cat([vp.to(value.dtype), value[rows]], 0).float().transpose(0, 1)
+            q = query[rows].float().transpose(0, 1)  # [nh, n, hd]; k, v: [kvh, L, hd]
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale)
+                q, k, v, attn_mask=req.verify_mask, scale=self.scale, enable_gqa=nh != kvh)
             out[rows] = o.transpose(0, 1).to(out.dtype)
-        if not rows_all:
-            return
-        rows_all = torch.cat(rows_all)
+        rows_all = step.rows
         step.kv_rows[layer.layer_name] = (layer, self, kv_cache, key[rows_all].clone(),
                                           value[rows_all].clone(),
                                           md.slot_mapping[rows_all].clone())

@@ -6,6 +6,7 @@ tree (parents and depths) until it is verified.  Pure Python + torch; no vLLM im
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,14 @@ class VerifyRequest:
             mask[j + 1] |= mask[p]
         return mask
 
+    @functools.cached_property
+    def verify_mask(self) -> torch.Tensor:
+        """``[n + 1, prefix_len + n + 1]`` bool: the whole prefix, then the ancestors
+        (built once per step, used by every target layer)."""
+        n = self.num_nodes + 1
+        return torch.cat([torch.ones(n, self.prefix_len, dtype=torch.bool),
+                          self.ancestor_mask()], 1)
+
 
 @dataclass
 class VerifyStep:
@@ -55,6 +64,12 @@ class VerifyStep:
     kv_rows: dict = field(default_factory=dict)
     # filled by the verifier: request index -> accepted verify rows (root first)
     paths: dict[int, list[int]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """Every request's verify rows (root first), in the order of ``requests``."""
+        return torch.cat([torch.arange(r.start, r.start + r.num_nodes + 1)
+                          for r in self.requests])
 
 
 class TreeStore:
