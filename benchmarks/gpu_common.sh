@@ -20,3 +20,9 @@ watchdog() {
   done
   wait "$pid"
 }
+# need_bundle: stop at once on a machine without the unpacked vLLM bundle (a fresh machine
+# after an idle release): a vLLM stage would otherwise spend minutes failing.
+need_bundle() {
+  [ -d /tmp/vllm-site ] && return 0
+  echo "no vLLM bundle on this machine (a fresh one?): carry the bundle parts again"; exit 3
+}

@@ -27,6 +27,7 @@ export NCCL_NVLS_ENABLE=0
 # 8 query heads for TP = 8 (the default pairs have 4); harmless for TP = 2
 [ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
 source benchmarks/gpu_common.sh
+[ "$STAGE" = stash ] || need_bundle
 
 case $STAGE in
 stash) ;;
