@@ -185,10 +185,9 @@ class OnlineSchedule:
         if self.expected is None:
             return
         for lo, hi, costs in self.ranges:
-            b = self.pick(costs)
             hi = min(hi, len(lookup) - 1)
-            if lo <= hi and lookup[lo] != b:
-                lookup[lo:hi + 1] = [b] * (hi - lo + 1)
+            if lo <= hi:
+                lookup[lo:hi + 1] = [self.pick(costs)] * (hi - lo + 1)
 
 
 class StatsChannel:
