@@ -105,20 +105,25 @@ def budget_schedule(max_budget: int, depth: int) -> list[tuple[int, int, int]]:
     if max_budget < 1 or depth < 1:
         raise ValueError("max_budget and depth must be >= 1")
     sched: list[tuple[int, int, int]] = []
-    lo = 1
     prev = max_budget
-    for i, b in enumerate(BATCH_BUCKETS):
-        hi = BATCH_BUCKETS[i + 1] - 1 if i + 1 < len(BATCH_BUCKETS) else 1 << 20
-        # the bucket's geometric middle stands for the bucket
-        mid = math.sqrt(b * max(b, hi if hi < 1 << 20 else b))
-        pick = min(prev, best_budget(round(mid), max_budget, depth))
+    for lo, hi, mid in _buckets():
+        pick = min(prev, best_budget(mid, max_budget, depth))
         prev = pick
         if sched and sched[-1][2] == pick:
             sched[-1] = (sched[-1][0], hi, pick)
         else:
             sched.append((lo, hi, pick))
-        lo = hi + 1
     return sched
+
+
+def _buckets() -> list[tuple[int, int, int]]:
+    """``(first, last, representative)`` batch sizes of each bucket of ``BATCH_BUCKETS``;
+    the bucket's geometric middle stands for it (the last one runs to ``1 << 20``)."""
+    out = []
+    for i, b in enumerate(BATCH_BUCKETS):
+        hi = BATCH_BUCKETS[i + 1] - 1 if i + 1 < len(BATCH_BUCKETS) else 1 << 20
+        out.append((b, hi, round(math.sqrt(b * max(b, hi if hi < 1 << 20 else b)))))
+    return out
 
 
 # ------------------------------------------------------------ online re-tuning -------
@@ -153,14 +158,9 @@ class OnlineSchedule:
         self.budgets = candidates(max_budget, depth)
         self.decay = 0.5 ** (1.0 / half_life)
         self.expected: list[float] | None = None
-        self.ranges: list[tuple[int, int, list[float]]] = []
-        for i, b in enumerate(BATCH_BUCKETS):
-            if b > max_batch:
-                break
-            hi = min(BATCH_BUCKETS[i + 1] - 1 if i + 1 < len(BATCH_BUCKETS) else max_batch,
-                     max_batch)
-            mid = round(math.sqrt(b * hi))
-            self.ranges.append((b, hi, [step_cost(mid, 1 + n) for n in self.budgets]))
+        # the static schedule's buckets and representatives, cut at the largest batch
+        self.ranges = [(lo, min(hi, max_batch), [step_cost(mid, 1 + n) for n in self.budgets])
+                       for lo, hi, mid in _buckets() if lo <= max_batch]
 
     def observe(self, steps: float, requests: float, sums: list[float]) -> None:
         """``steps`` steps with ``requests`` request-trees in all, ``sums[c]``: the sum of
