@@ -1,6 +1,20 @@
 # Sourced by the GPU lease scripts (gpu_lease.sh, gpu_tp.sh): shared shell helpers.
 banner() { echo; echo "=== $* ($(date +%T))"; }
-cleanup() { [ -n "${NO_CLEANUP:-}" ] || { pkill -f "vllm.entrypoints" ; pkill -f EngineCore ; sleep 2; }; } 2>/dev/null
+# cleanup: stop vLLM servers and engines and wait (up to 30 s, then SIGKILL) until no
+# process holds GPU memory: an engine core still tearing down after `timeout` killed its
+# parent held 120 GiB and the next engine failed to start (session 6).
+cleanup() {
+  [ -n "${NO_CLEANUP:-}" ] && return 0
+  pkill -f "vllm.entrypoints"; pkill -f EngineCore; pkill -f "VLLM::"
+  local i pids
+  for i in $(seq 1 15); do
+    pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+    [ -z "$pids" ] && return 0
+    sleep 2
+  done
+  echo "cleanup: SIGKILL to GPU processes still alive: $pids"; kill -9 $pids
+  sleep 3
+} 2>/dev/null
 descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 # watchdog SECS LOG CMD...: CMD with stdout and stderr in LOG and Python's faulthandler on.
 # Past SECS every process under it gets SIGABRT, so each Python one writes its stacks to

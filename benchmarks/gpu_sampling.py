@@ -67,7 +67,10 @@ def main():
     res = {}
     for name, spec in (("nospec", None), ("ddtree", {"method": "ddtree", "model": str(drafter),
                                                       "num_speculative_tokens": args.budget})):
-        llm = LLM(model=str(target), dtype=dtype, max_model_len=256, seed=0, max_num_seqs=256,
+        # different engine seeds: the unseeded samples of the two engines are independent
+        # (with equal seeds the H200 run of session 6 drew identical samples, p = 1)
+        llm = LLM(model=str(target), dtype=dtype, max_model_len=256,
+                  seed=1 if spec else 0, max_num_seqs=256,
                   gpu_memory_utilization=0.2 if args.cpu else 0.3, disable_log_stats=False,
                   speculative_config=spec, **kw)
         res[name] = {c: samples(llm, **p) for c, p in CONFIGS.items()}

@@ -6,7 +6,8 @@
 #   2  carry .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
 #   3  carry .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
 #   4  carry .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
-#      (TPS=1 or TPS=N: only those rows)
+#      (TPS=1 or TPS=N: only those rows; one TP's throughput took ~300 s on a fresh
+#      machine in session 6, so give each half its own call)
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
@@ -57,7 +58,7 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'
   fi
   for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
-    timeout 270 python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
+    timeout ${TPUT_S:-330} python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
       --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
       --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/tp$tp" \
       > "$LOG/tp$tp.log" 2>&1
