@@ -11,10 +11,13 @@
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
 #   c   carry .gpu/bundle.part-00                      stash
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
-#       `vllm serve` vs no speculation, T>0 distribution test (#4 #5)
+#       the step profile p1 (below): DFlash vs DDTree-15 at equal width (#7)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
-#       PAIR_METHODS=ar,dflash,ddtree-auto,ddtree-online for the adaptive rows
+#       PAIR_METHODS=ar,dflash,ddtree-auto,ddtree-online for the adaptive rows (a second
+#       e1 call: each call holds ~5 engines at ~1 min each)
+#   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test (#4 #5; done on
+#       the H200 in session 6)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
 #
 # On nvidia-h200-x2 (the tree is ~25 MB, so a 40 MB bundle part fills a call): calls
@@ -34,7 +37,7 @@ TRAIN=/root/trainout
 cd "$(dirname "$0")/.."
 source .gpu/unpack.sh
 source benchmarks/gpu_common.sh
-case $STAGE in d1|e1|d2|x2|p1|p2) need_bundle ;; esac
+case $STAGE in d1|e1|d2|x2|p1|p2|serve) need_bundle ;; esac
 install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
@@ -58,8 +61,11 @@ b)
 c)
   train_status
   ;;
-d1)  # one GPU: serve check, then the T > 0 test (stage x2 runs both at once on two GPUs)
+d1)  # install, then the step profile (stage p1)
   install
+  PROF_S=480 bash "$0" p1
+  ;;
+serve)  # one GPU: serve check, then the T > 0 test (stage x2 runs both at once on two GPUs)
   train_status
   banner "vllm serve (CUDA graphs) vs no speculation"
   timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 > "$LOG/serve.log" 2>&1
@@ -130,7 +136,7 @@ p1|p2)  # where the DDTree step's time goes: in-process engines under torch.prof
 import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
-  timeout 560 python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
+  timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
     --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile \
     --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/prof" > "$LOG/prof.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
