@@ -339,6 +339,16 @@ def test_bad_budget(target_config: Any, pair: tuple[str, str], budget: int) -> N
         spec(target_config, model=pair[1], num_speculative_tokens=budget)
 
 
+def test_adaptive_verification_refused(target_config: Any, pair: tuple[str, str]) -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    if "enable_adaptive_verification" not in SpeculativeConfig.__dataclass_fields__:
+        pytest.skip("vLLM < 0.32 has no adaptive verification")
+    with pytest.raises(ValueError, match="enable_adaptive_verification=true is not"):
+        spec(target_config, model=pair[1], num_speculative_tokens=4,
+             enable_adaptive_verification=True)
+
+
 def test_bad_max_depth(target_config: Any, pair: tuple[str, str]) -> None:
     with pytest.raises(ValueError, match="ddtree_max_depth=0 is invalid"):
         spec(target_config, model=pair[1], num_speculative_tokens=4, ddtree_max_depth=0)

