@@ -29,11 +29,14 @@ export NCCL_NVLS_ENABLE=0
 [ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
 source benchmarks/gpu_common.sh
 [ "$STAGE" = stash ] || need_bundle
+# install in every vLLM stage: after an idle release the bundle is carried again and the
+# next stage runs on a fresh machine (session 6)
+[ "$STAGE" = stash ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+  -e . 2>&1 | tail -n 2
 
 case $STAGE in
 stash) ;;
 check)
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
   nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
   banner "vllm serve --tensor-parallel-size $N, DDTree vs no speculation"
   timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
