@@ -108,6 +108,9 @@ def test_needs_chain():
     p = P()
     p.bad_words = ["x"]
     assert needs_chain(p) == "bad words"
+    p = P()
+    p.thinking_token_budget = 0  # 0 is a budget (end thinking at once), not "unset"
+    assert needs_chain(p) == "a thinking-token budget"
 
 
 def test_fused_walk_kernel_matches_torch_walk():

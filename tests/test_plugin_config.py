@@ -349,6 +349,21 @@ def test_adaptive_verification_refused(target_config: Any, pair: tuple[str, str]
              enable_adaptive_verification=True)
 
 
+@pytest.mark.parametrize(("field", "match"), [
+    ("enable_dbo", "dual-batch overlap"),
+    ("enable_batch_sharded_sampling", "enable_batch_sharded_sampling is unsupported"),
+])
+def test_runner_features_refused(target_config: Any, pair: tuple[str, str], field: str,
+                                 match: str) -> None:
+    from vllm.config import ParallelConfig
+
+    if field not in ParallelConfig.__dataclass_fields__:
+        pytest.skip(f"this vLLM has no {field}")
+    with pytest.raises(ValueError, match=match):
+        spec(target_config, ParallelConfig(**{field: True}), model=pair[1],
+             num_speculative_tokens=4)
+
+
 def test_bad_max_depth(target_config: Any, pair: tuple[str, str]) -> None:
     with pytest.raises(ValueError, match="ddtree_max_depth=0 is invalid"):
         spec(target_config, model=pair[1], num_speculative_tokens=4, ddtree_max_depth=0)

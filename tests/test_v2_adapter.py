@@ -80,3 +80,27 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
     out = spec.propose(batch, None, None, None, None, None, None, **kwargs)
     assert out == "drafts"
     assert spec.tree.commits == commits
+
+
+@pytest.mark.parametrize("engine_chain", [None, "custom logits processors"])
+def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
+    """A reused request slot must not keep its previous request's tree: vLLM 0.32 pads a
+    new request's first step with placeholder drafts (prefix-cache hit), and a stale node
+    equal to the target's token would be accepted."""
+    import torch
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_ddtree.gpu.model_state import DDTreeModelState
+    from vllm_ddtree.gpu.state import TreeBuffers
+
+    monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
+    state = DDTreeModelState.__new__(DDTreeModelState)
+    state.tree = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6, depth=3,
+                             device="cpu")
+    state._engine_chain = engine_chain
+    state.tree.walk_tokens[2] = torch.arange(6)  # the previous request's tree
+    state.tree.walk_tokens[1] = 7  # another live request's tree
+    state.add_request(2, SimpleNamespace(sampling_params=None))
+    assert state.tree.walk_tokens[2].tolist() == [-1] * 6
+    assert state.tree.walk_tokens[1].tolist() == [7] * 6  # untouched
+    assert bool(state.tree.chain_flag[2]) == (engine_chain is not None)

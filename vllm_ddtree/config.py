@@ -139,6 +139,24 @@ def check_max_depth(value: Any) -> int | None:
     return value
 
 
+def check_runner_features(parallel_config: Any) -> None:
+    """Reject vLLM 0.32+ GPU-runner features that split a step in ways the tree state does
+    not follow: dual-batch overlap (micro-batches restart row numbering) and batch-sharded
+    sampling (each TP rank samples a share of the requests).  Absent on older vLLM."""
+    if parallel_config is None:
+        return
+    if getattr(parallel_config, "enable_dbo", False) or \
+            (getattr(parallel_config, "ubatch_size", 1) or 1) > 1:
+        raise DDTreeConfigError(
+            "dual-batch overlap (enable_dbo / ubatch_size > 1) is unsupported with "
+            "method='ddtree': tree rows and KV compaction are laid out per step, not per "
+            "micro-batch. Turn it off, or use method='dflash'.")
+    if getattr(parallel_config, "enable_batch_sharded_sampling", False):
+        raise DDTreeConfigError(
+            "enable_batch_sharded_sampling is unsupported with method='ddtree': every TP "
+            "rank must walk every request's tree to compact its own KV shard. Turn it off.")
+
+
 def check_target(target: TargetInfo) -> None:
     """Reject targets and parallel layouts DDTree cannot serve."""
     arch = target.architecture

@@ -128,6 +128,7 @@ def _make_post_init(original: Any) -> Any:
                 "method='ddtree': it trims each request's drafts by the chain's per-token "
                 "confidences, and a tree's nodes are not a chain. Remove it (DDTree's own "
                 f"per-batch budget is {ddcfg.ADAPTIVE_FIELD}).")
+        ddcfg.check_runner_features(self.target_parallel_config)
         budget = ddcfg.check_num_speculative_tokens(self.num_speculative_tokens)
         max_depth = ddcfg.check_max_depth(getattr(self, ddcfg.MAX_DEPTH_FIELD, None))
         drafter = ddcfg.load_drafter_config(self.model)

@@ -8,7 +8,7 @@ interface (the target model returns this class from ``get_model_state_cls``, set
   persistent buffer, so FULL CUDA graphs replay with the current step's values);
 * ``custom_sampler``: the verifier (:class:`~vllm_ddtree.gpu.verifier.DDTreeVerifier`);
 * ``add_request``: requests whose sampling features need a linear history are
-  verified as a chain (logged once per reason).
+  verified as a chain (logged once per reason); the slot's previous tree is cleared.
 """
 
 from __future__ import annotations
@@ -33,10 +33,19 @@ class DDTreeModelState(DefaultModelState):
         self.tree = state_mod.ACTIVE
         if self.tree is None:
             raise RuntimeError("vllm-ddtree: DDTreeModelState without a DDTree speculator")
+        # vLLM 0.32+ loads engine-wide logits processors into the sampler; they read each
+        # row's history as linear, so every request is verified as a chain
+        self._engine_chain = ("custom logits processors (model_config.logits_processors)"
+                              if getattr(vllm_config.model_config, "logits_processors", None)
+                              else None)
 
     def add_request(self, req_index, new_req_data) -> None:
         super().add_request(req_index, new_req_data)
-        reason = needs_chain(getattr(new_req_data, "sampling_params", None))
+        # the slot's previous request left its tree here; a placeholder-draft step before
+        # this request's first tree must accept nothing (no host sync: a device fill)
+        self.tree.walk_tokens[req_index].fill_(-1)
+        reason = self._engine_chain or needs_chain(getattr(new_req_data, "sampling_params",
+                                                           None))
         self.tree.chain_flag[req_index] = reason is not None
         if reason is not None and reason not in _logged:
             _logged.add(reason)

@@ -171,7 +171,7 @@ class TreeBuffers:
 
 def needs_chain(sampling_params) -> str | None:
     """Why a request must be verified as a linear chain (its draft rows' history is
-    linear in vLLM's penalty, bad-words and grammar code), or None."""
+    linear in vLLM's penalty, bad-words, thinking-budget and grammar code), or None."""
     p = sampling_params
     if p is None:
         return None
@@ -182,4 +182,6 @@ def needs_chain(sampling_params) -> str | None:
         return "repetition/presence/frequency penalties"
     if getattr(p, "bad_words", None) or getattr(p, "_bad_words_token_ids", None):
         return "bad words"
+    if getattr(p, "thinking_token_budget", None) is not None:  # applied by 0.32+ sampler
+        return "a thinking-token budget"
     return None
