@@ -15,6 +15,9 @@ cleanup() {
   echo "cleanup: SIGKILL to GPU processes still alive: $pids"; kill -9 $pids
   sleep 3
 } 2>/dev/null
+# install_plugin: this checkout into the carried vLLM's Python (editable, offline)
+install_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+                     2>&1 | tail -n 2; }
 descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 # watchdog SECS LOG CMD...: CMD with stdout and stderr in LOG and Python's faulthandler on.
 # Past SECS every process under it gets SIGABRT, so each Python one writes its stacks to

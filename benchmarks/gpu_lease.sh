@@ -38,7 +38,7 @@ cd "$(dirname "$0")/.."
 source .gpu/unpack.sh
 source benchmarks/gpu_common.sh
 case $STAGE in d1|e1|d2|x2|p1|p2|serve) need_bundle ;; esac
-install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 2
+install() { install_plugin
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
 

@@ -31,8 +31,7 @@ source benchmarks/gpu_common.sh
 [ "$STAGE" = stash ] || need_bundle
 # install in every vLLM stage: after an idle release the bundle is carried again and the
 # next stage runs on a fresh machine (session 6)
-[ "$STAGE" = stash ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index \
-  -e . 2>&1 | tail -n 2
+[ "$STAGE" = stash ] || install_plugin
 
 case $STAGE in
 stash) ;;

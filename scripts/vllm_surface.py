@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     a, b = Tree(args.src), Tree(args.against) if args.against else None
     missing = 0
     rows = []
-    for entry, sym in ledger_symbols():
+    symbols = ledger_symbols()
+    for entry, sym in symbols:
         fa = a.find(sym)
         missing += fa.status == "missing"
         if b is None:
@@ -213,8 +214,7 @@ def main(argv=None) -> int:
             rows.append(f"{entry:<18} {sym}\n    {args.src}: {fa.status} {fa.params}\n"
                         f"    {args.against}: {fb.status} {fb.params}")
     print("\n".join(rows) if rows else "no differences")
-    n = len(ledger_symbols())
-    print(f"\n{n} ledger symbols; missing in {args.src}: {missing}")
+    print(f"\n{len(symbols)} ledger symbols; missing in {args.src}: {missing}")
     return 1 if missing else 0
 
 

@@ -139,10 +139,17 @@ def check_max_depth(value: Any) -> int | None:
     return value
 
 
-def check_runner_features(parallel_config: Any) -> None:
-    """Reject vLLM 0.32+ GPU-runner features that split a step in ways the tree state does
-    not follow: dual-batch overlap (micro-batches restart row numbering) and batch-sharded
-    sampling (each TP rank samples a share of the requests).  Absent on older vLLM."""
+def check_runner_features(speculative_config: Any, parallel_config: Any) -> None:
+    """Reject vLLM 0.32+ GPU-runner features that DDTree's tree state does not follow:
+    adaptive verification (trims drafts as a chain), dual-batch overlap (micro-batches
+    restart row numbering) and batch-sharded sampling (each TP rank samples a share of the
+    requests).  Absent on older vLLM."""
+    if getattr(speculative_config, "enable_adaptive_verification", False):
+        raise DDTreeConfigError(
+            "speculative_config.enable_adaptive_verification=true is not supported with "
+            "method='ddtree': it trims each request's drafts by the chain's per-token "
+            "confidences, and a tree's nodes are not a chain. Remove it (DDTree's own "
+            f"per-batch budget is {ADAPTIVE_FIELD}).")
     if parallel_config is None:
         return
     if getattr(parallel_config, "enable_dbo", False) or \

@@ -122,13 +122,7 @@ def _make_post_init(original: Any) -> Any:
                 f"speculative_config.{ddcfg.ADAPTIVE_FIELD}=true and "
                 "num_speculative_tokens_per_batch_size are both set: give one schedule "
                 "(the adaptive one is computed from num_speculative_tokens).")
-        if getattr(self, "enable_adaptive_verification", False):  # vLLM 0.32+
-            raise ddcfg.DDTreeConfigError(
-                "speculative_config.enable_adaptive_verification=true is not supported with "
-                "method='ddtree': it trims each request's drafts by the chain's per-token "
-                "confidences, and a tree's nodes are not a chain. Remove it (DDTree's own "
-                f"per-batch budget is {ddcfg.ADAPTIVE_FIELD}).")
-        ddcfg.check_runner_features(self.target_parallel_config)
+        ddcfg.check_runner_features(self, self.target_parallel_config)
         budget = ddcfg.check_num_speculative_tokens(self.num_speculative_tokens)
         max_depth = ddcfg.check_max_depth(getattr(self, ddcfg.MAX_DEPTH_FIELD, None))
         drafter = ddcfg.load_drafter_config(self.model)

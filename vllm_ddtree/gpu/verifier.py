@@ -47,7 +47,7 @@ def _call_by_name(fn, **available):
 
 class DDTreeVerifier:
     # vLLM 0.32+ warm-up reads this flag of the rejection sampler (adaptive verification
-    # is refused for DDTree configs in vllm_ddtree/_patch/speculative_config.py)
+    # is refused for DDTree configs: vllm_ddtree.config.check_runner_features)
     enable_adaptive_verification = False
 
     def __init__(self, sampler, vllm_config, tree, device):
