@@ -67,6 +67,9 @@ _V2_ATTRS = (
     "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.layer_names",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
             "num_reqs query_start_loc seq_lens max_query_len"),
+    # verified as a chain (gpu/state.py needs_chain, gpu/model_state.py)
+    "vllm.sampling_params:SamplingParams.thinking_token_budget",
+    "vllm.config.model:ModelConfig.logits_processors",
 )
 
 LEDGER: tuple[PatchEntry, ...] = (
@@ -98,6 +101,11 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.config.parallel:ParallelConfig.pipeline_parallel_size",
             "vllm.config.parallel:ParallelConfig.decode_context_parallel_size",
             "vllm.config.parallel:ParallelConfig.prefill_context_parallel_size",
+            # 0.32+ runner features refused for ddtree (read with getattr: absent on 0.26)
+            f"{_SPEC}.enable_adaptive_verification",
+            "vllm.config.parallel:ParallelConfig.enable_dbo",
+            "vllm.config.parallel:ParallelConfig.ubatch_size",
+            "vllm.config.parallel:ParallelConfig.enable_batch_sharded_sampling",
             "vllm.transformers_utils.configs.eagle:EAGLEConfig",
             "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
             "pydantic.dataclasses:rebuild_dataclass",
