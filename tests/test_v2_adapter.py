@@ -104,3 +104,37 @@ def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
     assert state.tree.walk_tokens[2].tolist() == [-1] * 6
     assert state.tree.walk_tokens[1].tolist() == [7] * 6  # untouched
     assert bool(state.tree.chain_flag[2]) == (engine_chain is not None)
+
+
+def test_drafter_graphs_ignore_the_per_batch_size_schedule(monkeypatch):
+    """ddtree_adaptive_budget gives vLLM a per-batch-size schedule of budgets; vLLM's
+    graph manager reads it as the drafter's query width (1 + budget), but the DDTree
+    drafter always runs 1 + D rows per request.  vLLM 0.26 then derived negative widths
+    and failed a capture assertion on the H200 (session 7).  The manager must be built
+    with no schedule in sight, and the schedule must be back afterwards."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_mod
+
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    seen = []
+
+    class Manager:
+        def __init__(self, vllm_config, device, mode, decode_query_len):
+            spec = vllm_config.speculative_config
+            seen.append((spec.uses_dynamic_speculative_decoding(), decode_query_len, mode))
+
+    monkeypatch.setattr(dflash_mod, "DFlashCudaGraphManager", Manager)
+    schedule = [(1, 4, 63), (5, 64, 15)]
+    spec = SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
+    spec.uses_dynamic_speculative_decoding = \
+        lambda: spec.num_speculative_tokens_per_batch_size is not None
+    sp = object.__new__(DDTreeSpeculator)
+    sp.vllm_config = SimpleNamespace(speculative_config=spec)
+    sp.device, sp.num_query_per_req, sp._speculator_name = "cpu", 16, "DDTree"
+    sp.attn_cg_support = SimpleNamespace(
+        min_cg_support=AttentionCGSupport.UNIFORM_BATCH, min_cg_attn_backend="x")
+    DDTreeSpeculator.init_cudagraph_manager(sp, CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert seen == [(False, 16, CUDAGraphMode.FULL_DECODE_ONLY)]
+    assert spec.num_speculative_tokens_per_batch_size is schedule

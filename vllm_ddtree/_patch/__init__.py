@@ -70,6 +70,9 @@ _V2_ATTRS = (
     # verified as a chain (gpu/state.py needs_chain, gpu/model_state.py)
     "vllm.sampling_params:SamplingParams.thinking_token_budget",
     "vllm.config.model:ModelConfig.logits_processors",
+    # hidden while the drafter's CUDA graph manager is built (gpu/speculator.py)
+    "vllm.config.speculative:SpeculativeConfig.num_speculative_tokens_per_batch_size",
+    "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.init_cudagraph_manager",
 )
 
 LEDGER: tuple[PatchEntry, ...] = (
@@ -266,7 +269,10 @@ LEDGER: tuple[PatchEntry, ...] = (
             "its tree-aware subclasses (attn_backend and impl class; no global registry, "
             "drafter layers keep vLLM's). Everything else goes through vLLM's own hooks: "
             "target_model.get_model_state_cls (read by init_model_state) and "
-            "DDTreeModelState.custom_sampler (the verifier). vLLM's V1 DFlashProposer "
+            "DDTreeModelState.custom_sampler (the verifier). DDTreeSpeculator."
+            "init_cudagraph_manager hides speculative_config.num_speculative_tokens_per_"
+            "batch_size while vLLM builds the drafter's graph manager (the drafter pass is "
+            "1 + D rows whatever the budget). vLLM's V1 DFlashProposer "
             "(V1 GPU runner: MoE targets on 0.26, or VLLM_USE_V2_MODEL_RUNNER=0) refuses "
             "DDTree configs instead of silently running a chain; the project's own V1 (CPU) "
             "proposer subclass is allowed. Inert for other configs."

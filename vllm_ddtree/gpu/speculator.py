@@ -1,10 +1,12 @@
 """DDTree speculator for vLLM's Model Runner V2 (GPU): vLLM's DFlash speculator with a
 tree instead of a chain.
 
-Subclass of ``DFlashSpeculator``; only three of its methods are extended:
+Subclass of ``DFlashSpeculator``; only four of its methods are extended:
 
 * ``__init__``: the drafter pass keeps ``1 + D`` query rows per request while the
   scheduler sees ``B`` draft tokens (``num_speculative_tokens = B``);
+* ``init_cudagraph_manager``: the drafter's graphs are captured for that one width even
+  when the budget varies per batch size (``ddtree_adaptive_budget``);
 * ``_generate_draft`` (captured in vLLM's FULL CUDA graph): the drafter's ``D``
   per-depth logits -> :func:`build_tree` on the GPU -> ``B`` draft tokens plus the
   tree metadata (:class:`TreeBuffers`);
@@ -53,6 +55,21 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._nonfinite_logged = 0
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = online_publisher(vllm_config, device, self.max_num_reqs)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """vLLM's graph manager reads a per-batch-size schedule as "this pass has
+        ``1 + budget`` query rows per request" (true of the DFlash chain).  The DDTree
+        drafter pass has ``1 + D`` rows whatever the budget: vLLM 0.26 derived negative
+        widths from the schedule (``1 + D - B + b``) and failed its capture assertion;
+        0.32+ skip the schedule only when ``1 + D <= B``.  Hide it while the manager
+        is built, so the drafter's graphs are the ``1 + D`` ones for every version."""
+        spec = self.vllm_config.speculative_config
+        schedule = spec.num_speculative_tokens_per_batch_size
+        spec.num_speculative_tokens_per_batch_size = None
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = schedule
 
     # -- load --------------------------------------------------------------------------
     def load_model(self, target_model) -> None:
