@@ -5,17 +5,21 @@
 # Full logs go to $OUT/<stage>/, tables to stdout.  The machine goes back 30 s after a
 # call returns: issue the next call at once.
 #
-#   a   carry .smol/gguf.part-aa .gpu/bundle.part-02   stash both; trainer smoke test (tiny)
-#   b   carry .smol/gguf.part-ab .whl                  convert the SmolLM2 target to
+#   (every call also carries .gpu/unpack.sh; a call may carry ~42 MB besides the working
+#   tree, whose shipped drafter is ~23 MB: hence parts of at most 40 MB)
+#   a   carry .smol/gguf.part-aa                      stash (versions, GPU name)
+#   b   carry .smol/gguf.part-ab                      stash
+#   c   carry .smol/gguf.part-ac .whl .gpu/bundle.part-02   convert the SmolLM2 target to
 #       /root/smol/hf (TRAIN_NEW=1: also train a new drafter in the background, ~10 min,
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
-#   c   carry .gpu/bundle.part-00                      stash
+#   c2  carry .gpu/bundle.part-00                      stash
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
 #       the step profile p1 (below): DFlash vs DDTree-15 at equal width (#7)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
 #       PAIR_METHODS=ar,dflash,ddtree-auto,ddtree-online for the adaptive rows (a second
-#       e1 call: each call holds ~5 engines at ~1 min each)
+#       e1 call: each call holds ~5 engines at ~1 min each); SKIP_PARTS=1 skips the step
+#       parts, INSTALL=1 installs the plugin first (the last bundle part came with it)
 #   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test (#4 #5; done on
 #       the H200 in session 6)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
@@ -43,12 +47,12 @@ install() { install_plugin
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
 
 case $STAGE in
-a)
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 15
+a|b)
+  [ $STAGE = a ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  [ $STAGE = a ] && python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  SMOKE=${SMOKE:-0} bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 15
   ;;
-b)
+c)
   mkdir -p $TRAIN
   if [ "${TRAIN_NEW:-0}" = 1 ]; then
     OUT=$TRAIN MAX_MINUTES=${MAX_MINUTES:-8} setsid nohup bash scripts/gpu_train_smollm.sh \
@@ -58,7 +62,7 @@ b)
     CONVERT_ONLY=1 bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 3
   fi
   ;;
-c)
+c2)
   train_status
   ;;
 d1)  # install, then the step profile (stage p1)
@@ -84,9 +88,12 @@ e1)
     D=/root/drafter; mkdir -p $D
     cp $TRAIN/drafter/*.json $D/ && cat $TRAIN/drafter/model.safetensors.part-* > $D/model.safetensors
   fi
-  banner "DDTree-specific step parts at Qwen3-8B shape"
-  timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
-  echo "exit $?"; tail -n 11 "$LOG/parts.log"
+  [ "${INSTALL:-0}" = 1 ] && install  # a fresh machine: the bundle came with this call
+  if [ "${SKIP_PARTS:-0}" != 1 ]; then
+    banner "DDTree-specific step parts at Qwen3-8B shape"
+    timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
+    echo "exit $?"; tail -n 11 "$LOG/parts.log"
+  fi
   banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
   # seven engines at ~1 min each: split over two calls with PAIR_METHODS (one run = one
   # set of ratios; keep ar and dflash in both halves to have the ratios in each run)
@@ -138,7 +145,8 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
   timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
     --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile \
-    --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/prof" > "$LOG/prof.log" 2>&1
+    --max-model-len 1024 --max-num-batched-tokens 2048 --gpu-mem 0.4 --out "$LOG/prof" \
+    > "$LOG/prof.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;

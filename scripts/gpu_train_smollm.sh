@@ -2,16 +2,17 @@
 # Train the SmolLM2-135M DFlash drafter on a GPU machine without internet access.
 #
 # The GGUF (98.4 MB) is larger than what one transfer to such a machine may carry
-# (64 MiB), so it travels in two halves, in two calls run back to back:
+# (64 MiB including the working tree, whose shipped drafter alone is ~23 MB), so it
+# travels in three parts of at most 40 MB, in calls run back to back:
 #
 #   here, once:   bash scripts/gpu_train_smollm.sh --prepare
-#                   -> .smol/gguf.part-aa, .smol/gguf.part-ab (halves of the GGUF) and
+#                   -> .smol/gguf.part-aa, -ab, -ac (parts of the GGUF) and
 #                      .whl/gguf-*.whl; both folders are added to .git/info/exclude
-#   GPU call 1:   bash scripts/gpu_train_smollm.sh          (carry .smol/gguf.part-aa)
-#                   -> stores the half in $SMOL_STAGE (default /root/smol), runs the trainer
-#                      for 20 steps on the repo's tiny random target as a CUDA smoke test
-#                      (~30 s; SMOKE=0 skips it) and exits
-#   GPU call 2:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ab, .whl)
+#   GPU calls 1, 2: bash scripts/gpu_train_smollm.sh      (carry .smol/gguf.part-aa, then -ab)
+#                   -> stores the part in $SMOL_STAGE (default /root/smol); while parts are
+#                      missing, runs the trainer for 20 steps on the repo's tiny random
+#                      target as a CUDA smoke test (~30 s; SMOKE=0 skips it) and exits
+#   GPU call 3:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ac, .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
 #                      converts, trains (scripts/train_drafter.py --max-minutes
 #                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log;
@@ -20,7 +21,7 @@
 # model.safetensors (~23 MB) comes back split into 15 MiB parts (a returned file may not
 # exceed 16 MiB); rebuild it with: cat model.safetensors.part-* > model.safetensors
 # (model.safetensors.sha256 checks it).  A machine given back between the two calls loses
-# the first half: the second call then says so; run both again.
+# the parts stashed so far: the last call then says so; run them all again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -32,9 +33,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     src=$($PY -c "from vllm_ddtree.smollm import find_gguf; print(find_gguf())")
     mkdir -p .smol .whl
     rm -f .smol/gguf.part-*
-    split -n 2 -d -a 2 "$src" .smol/gguf.part-  # part-00, part-01
-    mv .smol/gguf.part-00 .smol/gguf.part-aa
-    mv .smol/gguf.part-01 .smol/gguf.part-ab
+    split -b 40000000 -a 2 "$src" .smol/gguf.part-  # part-aa, -ab, -ac
     ls .whl/gguf-*.whl >/dev/null 2>&1 || $PY -m pip download -q --no-deps -d .whl "gguf==0.19.0"
     for d in /.smol/ /.whl/; do
         grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
@@ -51,10 +50,10 @@ for p in .smol/gguf.part-*; do
 done
 GGUF="$STAGE/$GGUF_NAME"
 if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
-    have=$(ls "$STAGE"/gguf.part-* 2>/dev/null | wc -l)
-    if [[ ! -f "$STAGE/gguf.part-aa" || ! -f "$STAGE/gguf.part-ab" ]]; then
-        echo "have $have of 2 GGUF halves in $STAGE: run again carrying the other half" \
-             "(.smol/gguf.part-aa first, then .smol/gguf.part-ab, back to back)"
+    have=$(cat "$STAGE"/gguf.part-* 2>/dev/null | wc -c)
+    if [[ "$have" != "$GGUF_SIZE" ]]; then
+        echo "have $have of $GGUF_SIZE GGUF bytes in $STAGE ($(ls "$STAGE" | grep -c gguf.part-)" \
+             "part(s)): run again carrying the next part (.smol/gguf.part-aa, -ab, -ac, back to back)"
         if [[ "${SMOKE:-1}" == 1 ]]; then
             # Meanwhile, the whole trainer on this GPU with the repo's tiny random Qwen3
             # target (no GGUF needed, ~30 s): CUDA problems show up before the real run.
@@ -67,7 +66,7 @@ if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
         fi
         exit 0
     fi
-    cat "$STAGE/gguf.part-aa" "$STAGE/gguf.part-ab" > "$GGUF"
+    cat "$STAGE"/gguf.part-* > "$GGUF"
 fi
 echo "$GGUF_SHA256  $GGUF" | sha256sum -c -
 
