@@ -30,7 +30,9 @@
 #       GPU 0: `vllm serve` check, margin fixtures at TP = 1 (digests; REL=1: also the
 #       reliability tests, done on the H200 in session 5); GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
-#   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32.
+#   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
+#       (Qwen3-shaped random pair); p3: the SmolLM2 pair's DDTree-31 vs -63 under the
+#       profiler (after stage c); each writes gzipped Chrome traces to $OUT.
 # Session 4 lessons: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
 # graphs (imports ~1 min, compile ~40 s), so two servers need > 300 s; and the machine
 # goes back 30 s after a call: issue the next call at once, read results later.
@@ -100,7 +102,7 @@ e1)
   timeout 540 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
     --prompts $D/training_log.json --num-prompts 64 --budgets 15,31,63 \
     --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
-    --max-num-batched-tokens 4096 --out "$LOG/pair" > "$LOG/pair.log" 2>&1
+    --max-num-batched-tokens 4096 --repeats ${REPEATS:-3} --out "$LOG/pair" > "$LOG/pair.log" 2>&1
   echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
   ;;
 d2)
@@ -135,6 +137,16 @@ x2)
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
   ;;
+p3)  # the SmolLM2 pair under the profiler, DDTree-31 against -63: budget 63 cost ~1.9 ms
+  # more per request per step than 31 from batch 4 up (session 7), so did the adaptive
+  # rows (max budget 63) at batch >= 16 even when they verified 16 rows
+  D=vllm_ddtree/assets/smollm2-135m-dflash
+  timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+    --prompts $D/training_log.json --num-prompts 64 --methods ddtree --budgets 31,63 \
+    --batches 8,32 --temps 0 --profile --trace --max-model-len 1024 \
+    --max-num-batched-tokens 4096 --gpu-mem 0.4 --out "$LOG/prof" > "$LOG/prof.log" 2>&1
+  echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
+  ;;
 p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
   # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and
   # DDTree-15 (equal width: the fixed overhead), p2 = DDTree-31 and -32 (width, 33rd row)
@@ -144,7 +156,7 @@ import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
 from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
   timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
-    --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile \
+    --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile --trace \
     --max-model-len 1024 --max-num-batched-tokens 2048 --gpu-mem 0.4 --out "$LOG/prof" \
     > "$LOG/prof.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --target T --drafter D --out DIR \
         [--budgets 16,32,64] [--batches 1,2,4,8,16,32,64] [--temps 0,1] [--max-tokens 128]
+        [--repeats 3] [--profile [--trace]]
     python benchmarks/throughput.py --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
 
 One engine per method (same target, same drafter, same prompts), run one after another in
@@ -50,11 +51,19 @@ def load_prompts(path: str | None, limit: int = 0) -> list:
     return [p for p in text.split("\n\n\n") if p.strip()]
 
 
-def counters(llm) -> tuple[int, int]:
+def timed_generate(llm, batch, sp, spec) -> tuple[float, int, int, int]:
+    """One timed ``generate``: (wall s, output tokens, drafts, accepted drafts)."""
     from vllm_ddtree.stats import spec_counts
 
-    c = spec_counts(llm)
-    return c.drafts, c.accepted
+    c0 = spec_counts(llm) if spec else None
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    if c0 is None:
+        return wall, toks, 0, 0
+    c1 = spec_counts(llm)
+    return wall, toks, c1.drafts - c0.drafts, c1.accepted - c0.accepted
 
 
 def make_engine(args, spec, width):
@@ -87,21 +96,20 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
             llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True),
                          use_tqdm=False)
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
-            d0, a0 = counters(llm)
-            t0 = time.perf_counter()
-            outs = llm.generate(batch, sp, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            d1, a1 = counters(llm)
-            toks = sum(len(o.outputs[0].token_ids) for o in outs)
-            drafts = d1 - d0
+            runs = [timed_generate(llm, batch, sp, spec) for _ in range(args.repeats)]
+            # the run of median wall time stands for the cell (host jitter on a shared
+            # machine moved single runs by up to 50%); every run's wall time is kept
+            wall, toks, drafts, accepted = sorted(runs)[len(runs) // 2]
             steps = drafts / n if spec else toks / n
-            tau = (1 + (a1 - a0) / drafts) if (spec and drafts) else 1.0
+            tau = (1 + accepted / drafts) if (spec and drafts) else 1.0
             rows.append(dict(method=name, temperature=temp, batch=n, tau=tau,
                              step_ms=1000 * wall / max(steps, 1.0),
                              tok_s=toks / wall, tok_s_per_req=toks / wall / n,
-                             output_tokens=toks, wall_s=wall))
+                             output_tokens=toks, wall_s=wall,
+                             walls_s=[round(r[0], 4) for r in runs]))
             if args.profile:
-                rows[-1].update(profile_generate(llm, batch, sp, steps))
+                trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
+                rows[-1].update(profile_generate(llm, batch, sp, steps, trace=trace))
             bar.write(json.dumps(rows[-1]))
             bar.update(1)
     del llm
@@ -111,11 +119,13 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
     return rows
 
 
-def profile_generate(llm, batch, sp, steps: float, top: int = 6) -> dict:
+def profile_generate(llm, batch, sp, steps: float, top: int = 6, trace=None) -> dict:
     """The same generate again under torch.profiler (engine in this process: --profile
     sets VLLM_ENABLE_V1_MULTIPROCESSING=0): wall and GPU-busy time per step (the sum of
-    the kernel times the profiler records) and the kernels that take longest.  Profiling
-    slows the host side, so compare GPU-busy with the unprofiled step time."""
+    the kernel times the profiler records), the kernels that take longest and the host
+    ops with the most self CPU time (where the host's step time goes).  Profiling slows
+    the host side, so compare GPU-busy with the unprofiled step time.  ``trace``: also
+    write the Chrome trace there, gzipped."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -128,10 +138,23 @@ def profile_generate(llm, batch, sp, steps: float, top: int = 6) -> dict:
                if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    host = [e for e in prof.key_averages()
+            if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    if trace is not None:
+        import gzip
+        import shutil
+
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
     per = max(steps, 1.0)
     return dict(prof_wall_ms=1000 * wall / per, gpu_busy_ms=busy_us / 1000 / per,
                 top_kernels=[(e.key[:60], round(e.self_device_time_total / 1000 / per, 4),
-                              round(e.count / per, 2)) for e in kernels[:top]])
+                              round(e.count / per, 2)) for e in kernels[:top]],
+                top_host=[(e.key[:60], round(e.self_cpu_time_total / 1000 / per, 4),
+                           round(e.count / per, 2)) for e in host[:2 * top]])
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -194,13 +217,17 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per cell; the run of median wall time is reported")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --profile: write each cell's Chrome trace (trace-*.json.gz)")
     ap.add_argument("--profile", action="store_true",
                     help="also run each cell once under torch.profiler (engine in this "
                          "process): GPU-busy ms per step and the top kernels")
     args = ap.parse_args(argv)
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    out = Path(args.out)
+    out = args.out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
         args.dtype, args.eager, args.gpu_mem = "float32", True, 0.2
@@ -258,6 +285,8 @@ def main(argv=None) -> int:
             tops = "; ".join(f"{k} {ms:.3f} x{c:g}" for k, ms, c in r["top_kernels"][:3])
             print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} "
                   f"{r['prof_wall_ms']:>12.2f} {r['gpu_busy_ms']:>9.2f}   {tops}")
+            hosts = "; ".join(f"{k} {ms:.3f} x{c:g}" for k, ms, c in r["top_host"][:4])
+            print(f"{'':>37}host: {hosts}")
     return 0
 
 

@@ -3,6 +3,7 @@ DFlash chain and DDTree on the tree-beats-chain fixture, writes JSON and a PNG, 
 numbers it reports are the engines' own (DDTree accepts one token per step there, the
 chain none)."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_throughput_harness_cpu_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
            "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--methods", "dflash,ddtree",
-           "--budgets", "30", "--batches", "1,2", "--temps", "0", "--max-tokens", "10"]
+           "--budgets", "30", "--batches", "1,2", "--temps", "0", "--max-tokens", "10",
+           "--repeats", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
@@ -28,5 +30,27 @@ def test_throughput_harness_cpu_smoke(tmp_path):
         assert rows[("ddtree-30", n)]["tau"] == pytest.approx(2.0, abs=0.15)
         assert rows[("ddtree-30", n)]["output_tokens"] == 10 * n
         assert rows[("ddtree-30", n)]["vs_dflash"] > 0 and rows[("ddtree-30", n)]["vs_ar"] is None
+        for m in ("dflash", "ddtree-30"):  # the reported run is the median of three
+            r = rows[(m, n)]
+            assert len(r["walls_s"]) == 3
+            assert r["wall_s"] == pytest.approx(sorted(r["walls_s"])[1], abs=1e-4)
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert "ddtree-30" in proc.stdout.splitlines()[-1]  # the table is printed last
+
+
+def test_throughput_profile_cpu_smoke(tmp_path):
+    """--profile --trace: the host ops with the most self time per step and a gzipped
+    Chrome trace per cell (on CPU there are no GPU kernels: GPU busy is 0)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
+           "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--methods", "ddtree",
+           "--budgets", "30", "--batches", "1", "--temps", "0", "--max-tokens", "8",
+           "--profile", "--trace"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["gpu_busy_ms"] == 0 and row["top_kernels"] == []
+    assert row["prof_wall_ms"] > 0 and len(row["top_host"]) >= 4
+    assert all(ms > 0 and calls > 0 for _, ms, calls in row["top_host"])
+    with gzip.open(tmp_path / "trace-ddtree-30-T0-b1.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"]
+    assert proc.stdout.rstrip().splitlines()[-1].lstrip().startswith("host:")
