@@ -7,7 +7,8 @@
 #
 #   (every call also carries .gpu/unpack.sh; a call may carry ~42 MB besides the working
 #   tree, whose shipped drafter is ~23 MB: hence parts of at most 40 MB)
-#   a   carry .smol/gguf.part-aa                      stash (versions, GPU name)
+#   a   carry .smol/gguf.part-aa                      stash (versions, GPU name); step parts
+#       at 8B shape with the one-pass and the pruned top-k (gpu_step_parts.py --topk-prune 0,1)
 #   b   carry .smol/gguf.part-ab                      stash
 #   c   carry .smol/gguf.part-ac .whl .gpu/bundle.part-02   convert the SmolLM2 target to
 #       /root/smol/hf (TRAIN_NEW=1: also train a new drafter in the background, ~10 min,
@@ -53,6 +54,12 @@ a|b)
   [ $STAGE = a ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   [ $STAGE = a ] && python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   SMOKE=${SMOKE:-0} bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 15
+  if [ $STAGE = a ]; then  # torch + Triton only (no vLLM yet): one-pass vs pruned top-k
+    banner "DDTree step parts at Qwen3-8B shape, top-k one pass (0) vs pruned (1)"
+    PYTHONPATH=. timeout 240 python3 benchmarks/gpu_step_parts.py --topk-prune 0,1 \
+      --budgets 15,63 --out "$LOG/parts" > "$LOG/parts.log" 2>&1
+    echo "exit $?"; tail -n 13 "$LOG/parts.log"
+  fi
   ;;
 c)
   mkdir -p $TRAIN

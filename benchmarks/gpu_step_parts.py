@@ -1,7 +1,7 @@
 """Cost of each DDTree-specific part of a decode step at Qwen3-8B shape (no vLLM needed).
 
     python3 benchmarks/gpu_step_parts.py [--out DIR] [--requests 1,8,32] [--budgets 15,64,256]
-                                         [--max-k 16[,32]]
+                                         [--max-k 16[,32]] [--topk-prune 0,1]
 
 For requests R in {1, 8, 32} and budgets B in {15, 64, 256}: the tree build (+ layout and
 store, as in the drafter's CUDA graph), the per-row metadata fill, the fused walk, the
@@ -112,23 +112,26 @@ def main():
     ap.add_argument("--budgets", default="15,64,256")
     ap.add_argument("--max-k", default="16", help="comma list: the fused top-k kernel's "
                     "largest k (vllm_ddtree.kernels.topk_lse.MAX_K); one row set per value")
+    ap.add_argument("--topk-prune", default="0", help="comma list of 0/1: the pruned top-k "
+                    "(vllm_ddtree.kernels.topk_lse.PRUNE); one row set per value")
     args = ap.parse_args()
     import vllm_ddtree.kernels.topk_lse as topk_lse
 
     rows = []
-    for mk in (int(x) for x in args.max_k.split(",")):
-        topk_lse.MAX_K = mk  # read by build_tree at call time
-        for R in (int(x) for x in args.requests.split(",")):
-            for B in (int(x) for x in args.budgets.split(",")):
-                r = case(R, B)
-                rows.append(dict(maxk=mk, R=R, B=B, **r))
-                print(json.dumps(rows[-1]), flush=True)
+    for pr in (int(x) for x in args.topk_prune.split(",")):
+        for mk in (int(x) for x in args.max_k.split(",")):
+            topk_lse.PRUNE, topk_lse.MAX_K = bool(pr), mk  # read by build_tree per call
+            for R in (int(x) for x in args.requests.split(",")):
+                for B in (int(x) for x in args.budgets.split(",")):
+                    r = case(R, B)
+                    rows.append(dict(prune=pr, maxk=mk, R=R, B=B, **r))
+                    print(json.dumps(rows[-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=1))
-    keys = [k for k in rows[0] if k not in ("maxk", "R", "B")]
-    print("\nmaxK   R    B  " + "  ".join(f"{k:>11}" for k in keys) + "   (ms)")
+    keys = [k for k in rows[0] if k not in ("prune", "maxk", "R", "B")]
+    print("\nprune maxK   R    B  " + "  ".join(f"{k:>11}" for k in keys) + "   (ms)")
     for r in rows:
-        print(f"{r['maxk']:>4} {r['R']:>3} {r['B']:>4}  "
+        print(f"{r['prune']:>5} {r['maxk']:>4} {r['R']:>3} {r['B']:>4}  "
               + "  ".join(f"{r[k]:>11.3f}" for k in keys))
 
 

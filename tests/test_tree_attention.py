@@ -112,9 +112,12 @@ def test_logsumexp_sanitize_kernel(dtype):
 
 @needs_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 5, 16])
-def test_chunked_topk_lse_kernel(dtype, k):
-    from vllm_ddtree.kernels.topk_lse import topk_lse
+@pytest.mark.parametrize("k,prune", [(1, False), (5, False), (16, False), (1, True),
+                                     (5, True), (16, True), (33, True), (64, True)])
+def test_chunked_topk_lse_kernel(dtype, k, prune):
+    """Both variants against a stable sort.  Pruned, V = 9000 leaves >= k chunks (the
+    bound is used) for k <= 33 and fewer for k = 64 (no bound)."""
+    from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse
     from vllm_ddtree.tree.build import sanitized_logits
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +129,9 @@ def test_chunked_topk_lse_kernel(dtype, k):
     x[3, 4000] = float("inf")
     x[4] = torch.randn(9000, generator=g).to(dtype)
     x = x.to(dev)
-    vals, idx, lse = topk_lse(x, k, chunk=1024)
+    if prune:
+        assert (-(-9000 // _prune_chunk(9000, k)) >= k) == (k <= 33)
+    vals, idx, lse = topk_lse(x, k, chunk=None if prune else 1024, prune=prune)
     ref = sanitized_logits(x.cpu())
     rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)
     assert torch.equal(idx.cpu(), ri[:, :k])

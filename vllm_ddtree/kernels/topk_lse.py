@@ -1,11 +1,24 @@
-"""Per-depth draft candidates in one read of the logits: top-k and log-sum-exp.
+"""Per-depth draft candidates: top-k and log-sum-exp of each row of the draft logits.
 
 Each program takes one chunk of one row: it sanitizes the logits (NaN -> -inf, +inf ->
-the dtype's largest finite value), writes the chunk's partial max and sum of
-exponentials, and extracts the chunk's top ``k`` as unique int64 keys
+the dtype's largest finite value) and extracts the chunk's top ``k`` as unique int64 keys
 (order-preserving float bits above the inverted token id), so ties resolve to the lower
 token id by construction.  A small ``torch.topk`` over the ``chunks * k`` keys then gives
 the row's top ``k`` exactly.  Reference: ``depth_candidates`` on CPU (a stable sort).
+
+Two variants (``PRUNE``):
+
+* one pass (default): each program also writes its chunk's max and sum of exponentials
+  (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
+  151936-token vocabulary this was the DDTree step's largest own kernel on the H200
+  (0.78 ms per step for 480 rows, k = 15; docs/benchmarks/performance.md section 6.1):
+  compute-bound on the ``k`` reductions.
+* pruned: a first kernel writes the chunk maxima and sums; ``t`` = the ``k``-th largest
+  chunk maximum of the row is a lower bound on the row's ``k``-th largest value (the top
+  ``k`` chunk maxima are ``k`` distinct entries >= ``t``), so only entries >= ``t`` can be
+  in the top ``k``.  The second kernel skips chunks whose maximum is below ``t`` and runs
+  one reduction per entry >= ``t`` (at most ``k``).  Smaller chunks for larger ``k`` keep
+  at least ``k`` chunks per row where the vocabulary allows.  Same result bit for bit.
 """
 
 from __future__ import annotations
@@ -18,56 +31,111 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-MAX_K = 16  # iterative extraction costs k passes over each chunk: measured faster than
-# torch.topk only up to k = 16 on H200 (docs/benchmarks/core-gpu.md)
+MAX_K = 16  # one pass: k reductions over each chunk, measured faster than torch.topk
+# only up to k = 16 on H200 (docs/benchmarks/core-gpu.md)
+PRUNE = False  # the pruned variant; off until measured on the GPU (gpu_step_parts.py)
+PRUNE_MAX_K = 64
 _LOW32 = (1 << 32) - 1
+
+
+def max_k() -> int:
+    """Largest ``k`` :func:`topk_lse` serves with the current settings."""
+    return max(MAX_K, PRUNE_MAX_K) if PRUNE else MAX_K
+
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_topk_lse_kernel(X, KEYS, M, S, V, stride, n_chunks, big,
-                               K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.program_id(1)
+    def _load_sanitized(X, row, c, stride, V, big, CHUNK: tl.constexpr):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ok = offs < V
         x = tl.load(X + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf"))
         x = x.to(tl.float32)
         x = tl.where(x != x, float("-inf"), x)
         x = tl.where(x == float("inf"), big, x)
+        return x, offs, ok
+
+    @triton.jit
+    def _chunk_max_sum(x, M, S, row, c, n_chunks):
         m = tl.max(x, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(x - m_safe), 0)
         tl.store(M + row * n_chunks + c, m)
-        tl.store(S + row * n_chunks + c, s)
-        xs = x + 0.0
-        bits = xs.to(tl.int32, bitcast=True).to(tl.int64)
+        tl.store(S + row * n_chunks + c, tl.sum(tl.exp(x - m_safe), 0))
+
+    @triton.jit
+    def _chunk_max_sum_kernel(X, M, S, V, stride, n_chunks, big, CHUNK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        x, offs, ok = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        _chunk_max_sum(x, M, S, row, c, n_chunks)
+
+    @triton.jit
+    def _chunk_topk_kernel(X, KEYS, M, S, T, V, stride, n_chunks, big,
+                           K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
+                           PRUNED: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        slots = tl.arange(0, KP)
+        res = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        out = KEYS + (row * n_chunks + c) * K + slots
+        if PRUNED:
+            t = tl.load(T + row)
+            if tl.load(M + row * n_chunks + c) < t:  # no entry of this chunk can make it
+                tl.store(out, res, mask=slots < K)
+                return
+        x, offs, ok = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        if not PRUNED:
+            _chunk_max_sum(x, M, S, row, c, n_chunks)
+        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
         bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         key = (bits << 32) | (4294967295 - offs.to(tl.int64))
         key = tl.where(ok, key, -9223372036854775807 - 1)
-        slots = tl.arange(0, KP)
-        res = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-        for i in range(K):
+        if PRUNED:
+            n = tl.minimum(tl.sum((ok & (x >= t)).to(tl.int32), 0), K)
+        else:
+            n = K
+        for i in range(0, n):
             best = tl.max(key, 0)
             res = tl.where(slots == i, best, res)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
-        tl.store(KEYS + (row * n_chunks + c) * K + slots, res, mask=slots < K)
+        tl.store(out, res, mask=slots < K)
 
 
-def topk_lse(x: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tensor, ...]:
+def _prune_chunk(V: int, k: int) -> int:
+    """A power of two in [256, 4096] leaving at least ``k`` chunks where ``V`` allows."""
+    c = 4096
+    while c > 256 and -(-V // c) < k:
+        c //= 2
+    return c
+
+
+def topk_lse(x: torch.Tensor, k: int, chunk: int | None = None,
+             prune: bool | None = None) -> tuple[torch.Tensor, ...]:
     """``x [rows, V]`` -> ``(values [rows, k] float32 sanitized, token ids [rows, k],
-    lse [rows] float32)``, ranked by value descending, ties by lower id."""
+    lse [rows] float32)``, ranked by value descending, ties by lower id.  ``prune``:
+    the pruned variant (module docstring; default ``PRUNE``).  No host sync."""
     rows, V = x.shape
-    assert x.stride(1) == 1 and 0 < k <= min(MAX_K, V)
+    prune = PRUNE if prune is None else prune
+    assert x.stride(1) == 1 and 0 < k <= min(PRUNE_MAX_K if prune else MAX_K, V)
+    chunk = chunk or (_prune_chunk(V, k) if prune else 4096)
     n_chunks = triton.cdiv(V, chunk)
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=x.device)
     m = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     s = torch.empty_like(m)
     big = min(float(torch.finfo(x.dtype).max), float(torch.finfo(torch.float32).max))
+    t = m  # unread unless pruned
     if rows:
-        _chunk_topk_lse_kernel[(rows, n_chunks)](
-            x, keys, m, s, V, x.stride(0), n_chunks, big,
-            K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, num_warps=8)
+        grid = (rows, n_chunks)
+        if prune:
+            _chunk_max_sum_kernel[grid](x, m, s, V, x.stride(0), n_chunks, big, CHUNK=chunk,
+                                        num_warps=8)
+            if n_chunks >= k:
+                t = torch.topk(m, k, dim=-1).values[:, k - 1].contiguous()
+            else:  # fewer chunks than k: no bound
+                t = torch.full((rows,), float("-inf"), device=x.device)
+        _chunk_topk_kernel[grid](
+            x, keys, m, s, t, V, x.stride(0), n_chunks, big,
+            K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, PRUNED=prune, num_warps=8)
     top = torch.topk(keys, k, dim=-1).values  # unique keys: exact, sorted best first
     idx = _LOW32 - (top & _LOW32)
     bits = top >> 32

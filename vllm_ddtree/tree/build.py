@@ -161,9 +161,9 @@ def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 def _depth_candidates_cuda(draft_logits, k, inplace):
     R, D, V = draft_logits.shape
     x = draft_logits.reshape(R * D, V)
-    from vllm_ddtree.kernels.topk_lse import MAX_K, topk_lse
+    from vllm_ddtree.kernels.topk_lse import max_k, topk_lse
 
-    if k <= MAX_K:  # one read of the logits, exact ties by construction
+    if k <= max_k():  # chunked top-k keys: exact ties by construction
         vals, idx, lse = topk_lse(x if x.is_contiguous() else x.contiguous(), k)
     else:
         from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
