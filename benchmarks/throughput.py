@@ -109,7 +109,7 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
                              walls_s=[round(r[0], 4) for r in runs]))
             if args.profile:
                 trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
-                rows[-1].update(profile_generate(llm, batch, sp, steps, trace=trace))
+                rows[-1].update(profile_generate(llm, batch, sp, spec, trace=trace))
             bar.write(json.dumps(rows[-1]))
             bar.update(1)
     del llm
@@ -119,21 +119,25 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
     return rows
 
 
-def profile_generate(llm, batch, sp, steps: float, top: int = 6, trace=None) -> dict:
+def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
     """The same generate again under torch.profiler (engine in this process: --profile
     sets VLLM_ENABLE_V1_MULTIPROCESSING=0): wall and GPU-busy time per step (the sum of
     the kernel times the profiler records), the kernels that take longest and the host
     ops with the most self CPU time (where the host's step time goes).  Profiling slows
     the host side, so compare GPU-busy with the unprofiled step time.  ``trace``: also
-    write the Chrome trace there, gzipped."""
+    record Python stacks and write the Chrome trace there, gzipped, for
+    ``benchmarks/trace_summary.py`` (32 tokens per request then, to keep it small)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    if trace is not None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=sp.temperature, max_tokens=min(sp.max_tokens, 32),
+                            ignore_eos=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        llm.generate(batch, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    with profile(activities=acts, with_stack=trace is not None) as prof:
+        wall, toks, drafts, _ = timed_generate(llm, batch, sp, spec)
     kernels = [e for e in prof.key_averages()
                if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
@@ -149,8 +153,9 @@ def profile_generate(llm, batch, sp, steps: float, top: int = 6, trace=None) -> 
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(trace)
-    per = max(steps, 1.0)
+    per = max((drafts if spec else toks) / len(batch), 1.0)  # this run's steps
     return dict(prof_wall_ms=1000 * wall / per, gpu_busy_ms=busy_us / 1000 / per,
+                prof_steps=per,
                 top_kernels=[(e.key[:60], round(e.self_device_time_total / 1000 / per, 4),
                               round(e.count / per, 2)) for e in kernels[:top]],
                 top_host=[(e.key[:60], round(e.self_cpu_time_total / 1000 / per, 4),

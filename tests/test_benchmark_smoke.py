@@ -51,6 +51,17 @@ def test_throughput_profile_cpu_smoke(tmp_path):
     assert row["gpu_busy_ms"] == 0 and row["top_kernels"] == []
     assert row["prof_wall_ms"] > 0 and len(row["top_host"]) >= 4
     assert all(ms > 0 and calls > 0 for _, ms, calls in row["top_host"])
-    with gzip.open(tmp_path / "trace-ddtree-30-T0-b1.json.gz", "rt") as f:
+    trace = tmp_path / "trace-ddtree-30-T0-b1.json.gz"
+    with gzip.open(trace, "rt") as f:
         assert json.load(f)["traceEvents"]
+    # benchmarks/trace_summary.py: per step, the plugin's functions by host time; the
+    # proposer runs once per step, and what it calls cannot take longer than it
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from trace_summary import load, summarize
+
+    summ = summarize(load(str(trace)), None, "vllm_ddtree/", 40)
+    ours = {name.rsplit(": ", 1)[-1]: (ms, calls) for name, ms, calls in summ["ours"]}
+    assert summ["steps"] >= 3 and summ["gpu_idle_ms"] is None  # no kernels on CPU
+    assert ours["propose"][1] == 1.0
+    assert 0 < ours["build_tree"][0] <= ours["propose"][0] <= summ["wall_ms"]
     assert proc.stdout.rstrip().splitlines()[-1].lstrip().startswith("host:")
