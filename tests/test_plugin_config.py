@@ -267,6 +267,24 @@ def test_depth(
     assert ddtree_params(sc) == (budget, depth)
 
 
+@pytest.mark.parametrize(("budget", "max_depth"), [(63, None), (32, 3), (15, None)])
+def test_drafting_slots_count_the_drafters_masks(
+    target_config: Any, pair: tuple[str, str], budget: int, max_depth: int | None
+) -> None:
+    """The scheduler tokens vLLM reserves for the drafter pass: the DDTree drafter runs
+    DFlash's pass with D mask tokens whatever the budget B, so the reservation is
+    DFlash's at K = D.  Counted at K = B it was 62 per sequence at B = 63 (vLLM 0.26 on
+    the H200: 4096 batched tokens, 64 sequences -> 128 tokens per step)."""
+    tree = spec(target_config, model=pair[1], num_speculative_tokens=budget,
+                ddtree_max_depth=max_depth)
+    _, depth = ddtree_params(tree)
+    chain = spec(target_config, method="dflash", model=pair[1], num_speculative_tokens=depth)
+    wide = spec(target_config, method="dflash", model=pair[1], num_speculative_tokens=budget)
+    assert tree.max_num_new_slots_for_drafting == chain.max_num_new_slots_for_drafting
+    if budget > depth and wide.max_num_new_slots_for_drafting > 0:  # 0.33 reserves none
+        assert wide.max_num_new_slots_for_drafting > tree.max_num_new_slots_for_drafting
+
+
 def test_marker_survives_pickle_and_deepcopy(
     target_config: Any, pair: tuple[str, str]
 ) -> None:

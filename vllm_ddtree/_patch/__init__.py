@@ -83,6 +83,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             f"{_SPEC}.__annotations__",
             f"{_SPEC}.__post_init__",
             f"{_SPEC}.__init__",
+            f"{_SPEC}.max_num_new_slots_for_drafting",
         ),
         reads=(
             "vllm:__version__",
@@ -126,7 +127,10 @@ LEDGER: tuple[PatchEntry, ...] = (
             "for 'ddtree', validate (vllm_ddtree.config) before the draft config "
             "is built, set method='dflash' + ddtree_enabled=True, run vLLM's "
             "DFlash post-init, store ddtree_depth. Wrap the rebuilt __init__ to "
-            "explain a missing/invalid num_speculative_tokens. VllmConfig is not "
+            "explain a missing/invalid num_speculative_tokens. Wrap the "
+            "max_num_new_slots_for_drafting property: for ddtree, the scheduler tokens "
+            "vLLM reserves for DFlash's drafter pass are counted for D mask tokens, not "
+            "for the budget B (B = 63 left 128 tokens per step). VllmConfig is not "
             "rebuilt: it receives an instance whose method is already 'dflash' "
             "(rebuilding VllmConfig in TP workers hung profiling in another plugin)."
         ),
