@@ -32,8 +32,8 @@
 #       reliability tests, done on the H200 in session 5); GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
 #   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
-#       (Qwen3-shaped random pair); p3: the SmolLM2 pair's DDTree-31 vs -63 under the
-#       profiler (after stage c); each writes gzipped Chrome traces to $OUT.
+#       (Qwen3-shaped random pair); both write gzipped Chrome traces with Python stacks
+#       to $OUT (read them with benchmarks/trace_summary.py).
 # Session 4 lessons: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
 # graphs (imports ~1 min, compile ~40 s), so two servers need > 300 s; and the machine
 # goes back 30 s after a call: issue the next call at once, read results later.
@@ -143,16 +143,6 @@ x2)
     echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
-  ;;
-p3)  # the SmolLM2 pair under the profiler, DDTree-31 against -63: budget 63 cost ~1.9 ms
-  # more per request per step than 31 from batch 4 up (session 7), so did the adaptive
-  # rows (max budget 63) at batch >= 16 even when they verified 16 rows
-  D=vllm_ddtree/assets/smollm2-135m-dflash
-  timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
-    --prompts $D/training_log.json --num-prompts 64 --methods ddtree --budgets 31,63 \
-    --batches 8,32 --temps 0 --profile --trace --max-model-len 1024 \
-    --max-num-batched-tokens 4096 --gpu-mem 0.4 --out "$LOG/prof" > "$LOG/prof.log" 2>&1
-  echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
   ;;
 p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
   # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and
