@@ -15,13 +15,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_throughput_harness_cpu_smoke(tmp_path):
+def run_harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """throughput.py on CPU, fixture tree_beats_chain, budget 30, T = 0, plus ``args``."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
-           "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--methods", "dflash,ddtree",
-           "--budgets", "30", "--batches", "1,2", "--temps", "0", "--max-tokens", "10",
-           "--repeats", "3"]
+           "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--budgets", "30",
+           "--temps", "0", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_throughput_harness_cpu_smoke(tmp_path):
+    proc = run_harness(tmp_path, "--methods", "dflash,ddtree", "--batches", "1,2",
+                       "--max-tokens", "10", "--repeats", "3")
     res = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["method"], r["batch"]): r for r in res["rows"]}
     assert set(rows) == {("dflash", 1), ("dflash", 2), ("ddtree-30", 1), ("ddtree-30", 2)}
@@ -41,12 +47,8 @@ def test_throughput_harness_cpu_smoke(tmp_path):
 def test_throughput_profile_cpu_smoke(tmp_path):
     """--profile --trace: the host ops with the most self time per step and a gzipped
     Chrome trace per cell (on CPU there are no GPU kernels: GPU busy is 0)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
-           "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--methods", "ddtree",
-           "--budgets", "30", "--batches", "1", "--temps", "0", "--max-tokens", "8",
-           "--profile", "--trace"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_harness(tmp_path, "--methods", "ddtree", "--batches", "1", "--max-tokens", "8",
+                       "--profile", "--trace")
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["gpu_busy_ms"] == 0 and row["top_kernels"] == []
     assert row["prof_wall_ms"] > 0 and len(row["top_host"]) >= 4

@@ -46,6 +46,9 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
         self._ddtree_prefix = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self._ddtree_qend = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self._ddtree_is_target: bool | None = None
+        # read once, as vLLM's own builder does for its AOT schedule (a per-step call
+        # walks vLLM's platform and config checks on the host)
+        self._ddtree_fa3 = fa.get_flash_attn_version() == 3
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -66,7 +69,7 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
         qlen = qsl[1 : n + 1] - qsl[:n]
         prefix = self._ddtree_prefix[:n]
         torch.sub(cam.seq_lens[:n], qlen, out=prefix)
-        fused = cam.max_query_len <= tree.W and fa.get_flash_attn_version() == 3
+        fused = cam.max_query_len <= tree.W and self._ddtree_fa3
         qend = None
         if not fused:
             qend = self._ddtree_qend[:n]
