@@ -14,6 +14,8 @@ bar, prints a table last and writes ``results.json`` plus ``throughput.png``.
 Step counts come from vLLM's own spec-decode counters (one draft per request per step);
 autoregressive steps = output tokens / batch.  Timings are wall-clock around
 ``LLM.generate`` (prefill included; use --max-tokens large against the prompt length).
+``req/it``: requests advanced per engine step (vLLM's iteration count, prefill steps
+included); well below the batch size, the scheduler did not fit every request's rows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
@@ -51,19 +54,33 @@ def load_prompts(path: str | None, limit: int = 0) -> list:
     return [p for p in text.split("\n\n\n") if p.strip()]
 
 
-def timed_generate(llm, batch, sp, spec) -> tuple[float, int, int, int]:
-    """One timed ``generate``: (wall s, output tokens, drafts, accepted drafts)."""
+class Run(NamedTuple):
+    wall: float  # s
+    tokens: int  # output tokens
+    drafts: int  # request verify steps (0 without speculation)
+    accepted: int  # accepted draft tokens
+    iterations: int  # engine steps (vLLM's iteration_tokens histogram, prefill included)
+
+
+def iterations(llm) -> int:
+    """Engine steps so far (the count of vLLM's per-iteration token histogram)."""
+    return sum(int(x.count) for x in llm.get_metrics()
+               if x.name == "vllm:iteration_tokens_total" and hasattr(x, "count"))
+
+
+def timed_generate(llm, batch, sp, spec) -> Run:
+    """One timed ``generate`` and what vLLM's counters saw during it."""
     from vllm_ddtree.stats import spec_counts
 
-    c0 = spec_counts(llm) if spec else None
+    c0, i0 = spec_counts(llm), iterations(llm)
     t0 = time.perf_counter()
     outs = llm.generate(batch, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    if c0 is None:
-        return wall, toks, 0, 0
-    c1 = spec_counts(llm)
-    return wall, toks, c1.drafts - c0.drafts, c1.accepted - c0.accepted
+    c = spec_counts(llm) - c0
+    if not spec:
+        return Run(wall, toks, 0, 0, iterations(llm) - i0)
+    return Run(wall, toks, c.drafts, c.accepted, iterations(llm) - i0)
 
 
 def make_engine(args, spec, width):
@@ -99,14 +116,19 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
             runs = [timed_generate(llm, batch, sp, spec) for _ in range(args.repeats)]
             # the run of median wall time stands for the cell (host jitter on a shared
             # machine moved single runs by up to 50%); every run's wall time is kept
-            wall, toks, drafts, accepted = sorted(runs)[len(runs) // 2]
+            run = sorted(runs)[len(runs) // 2]
+            wall, toks, drafts = run.wall, run.tokens, run.drafts
             steps = drafts / n if spec else toks / n
-            tau = (1 + accepted / drafts) if (spec and drafts) else 1.0
+            tau = (1 + run.accepted / drafts) if (spec and drafts) else 1.0
+            # requests advanced per engine step: below the batch size when the scheduler
+            # could not fit every request's rows (session 7: 2 of 64 at budget 63)
+            req_it = (drafts if spec else toks) / max(run.iterations, 1)
             rows.append(dict(method=name, temperature=temp, batch=n, tau=tau,
                              step_ms=1000 * wall / max(steps, 1.0),
                              tok_s=toks / wall, tok_s_per_req=toks / wall / n,
                              output_tokens=toks, wall_s=wall,
-                             walls_s=[round(r[0], 4) for r in runs]))
+                             walls_s=[round(r.wall, 4) for r in runs],
+                             engine_steps=run.iterations, req_per_engine_step=req_it))
             if args.profile:
                 trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
                 rows[-1].update(profile_generate(llm, batch, sp, spec, trace=trace))
@@ -137,7 +159,8 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
                             ignore_eos=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, with_stack=trace is not None) as prof:
-        wall, toks, drafts, _ = timed_generate(llm, batch, sp, spec)
+        run = timed_generate(llm, batch, sp, spec)
+    wall, toks, drafts = run.wall, run.tokens, run.drafts
     kernels = [e for e in prof.key_averages()
                if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
@@ -277,12 +300,12 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
-          f"{'tok/s/req':>9} {'vs DFlash':>9} {'vs AR':>6}")
+          f"{'tok/s/req':>9} {'vs DFlash':>9} {'vs AR':>6} {'req/it':>6}")
     for r in rows:
         f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
         print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
-              f"{f(r['vs_dflash']):>9} {f(r['vs_ar']):>6}")
+              f"{f(r['vs_dflash']):>9} {f(r['vs_ar']):>6} {r['req_per_engine_step']:>6.1f}")
     if args.profile:
         print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'wall ms/step':>12} {'GPU busy':>9}"
               "   top kernels (ms per step, launches per step)")

@@ -40,6 +40,8 @@ def test_throughput_harness_cpu_smoke(tmp_path):
             r = rows[(m, n)]
             assert len(r["walls_s"]) == 3
             assert r["wall_s"] == pytest.approx(sorted(r["walls_s"])[1], abs=1e-4)
+            # every request advances in every decode step (prefill steps pull it below n)
+            assert n / 2 < r["req_per_engine_step"] <= n
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert "ddtree-30" in proc.stdout.splitlines()[-1]  # the table is printed last
 
