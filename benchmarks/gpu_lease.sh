@@ -58,7 +58,7 @@ a|b)
     banner "DDTree step parts at Qwen3-8B shape, top-k one pass (0) vs pruned (1)"
     PYTHONPATH=. timeout 240 python3 benchmarks/gpu_step_parts.py --topk-prune 0,1 \
       --budgets 15,63 --out "$LOG/parts" > "$LOG/parts.log" 2>&1
-    echo "exit $?"; tail -n 13 "$LOG/parts.log"
+    echo "exit $?"; grep "failed:" "$LOG/parts.log"; tail -n 14 "$LOG/parts.log"
   fi
   ;;
 c)

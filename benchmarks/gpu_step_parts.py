@@ -123,17 +123,26 @@ def main():
             topk_lse.PRUNE, topk_lse.MAX_K = bool(pr), mk  # read by build_tree per call
             for R in (int(x) for x in args.requests.split(",")):
                 for B in (int(x) for x in args.budgets.split(",")):
-                    r = case(R, B)
+                    try:
+                        r = case(R, B)
+                    except Exception as e:  # e.g. a kernel variant that fails to compile:
+                        # report it and keep the other rows of this (one-lease) run
+                        print(f"prune={pr} maxk={mk} R={R} B={B} failed: {e!r}"[:2000],
+                              flush=True)
+                        continue
                     rows.append(dict(prune=pr, maxk=mk, R=R, B=B, **r))
                     print(json.dumps(rows[-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=1))
+    if not rows:
+        return 1
     keys = [k for k in rows[0] if k not in ("prune", "maxk", "R", "B")]
     print("\nprune maxK   R    B  " + "  ".join(f"{k:>11}" for k in keys) + "   (ms)")
     for r in rows:
         print(f"{r['prune']:>5} {r['maxk']:>4} {r['R']:>3} {r['B']:>4}  "
               + "  ".join(f"{r[k]:>11.3f}" for k in keys))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
