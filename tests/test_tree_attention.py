@@ -122,12 +122,14 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(k)
-    x = torch.randint(0, 4, (5, 9000), generator=g).to(dtype)  # heavy ties
+    x = torch.randint(0, 4, (6, 9000), generator=g).to(dtype)  # heavy ties
     x[1, 17] = float("nan")
     x[2, :] = float("-inf")
     x[2, 8999] = 1.0
     x[3, 4000] = float("inf")
     x[4] = torch.randn(9000, generator=g).to(dtype)
+    x[5] = float("-inf")  # signed zeros tie: ranked by index, like the stable sort
+    x[5, [3, 100, 5000, 8000]] = torch.tensor([-0.0, 0.0, -0.0, 0.0], dtype=dtype)
     x = x.to(dev)
     if prune:
         assert (-(-9000 // _prune_chunk(9000, k)) >= k) == (k <= 33)

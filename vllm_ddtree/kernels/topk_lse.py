@@ -86,7 +86,7 @@ if triton is not None:
         x, offs, ok = _load_sanitized(X, row, c, stride, V, big, CHUNK)
         if not PRUNED:
             _chunk_max_sum(x, M, S, row, c, n_chunks)
-        bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 -> +0.0
         bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         key = (bits << 32) | (4294967295 - offs.to(tl.int64))
         key = tl.where(ok, key, -9223372036854775807 - 1)
