@@ -110,7 +110,7 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
             runs = [timed_generate(llm, batch, sp, spec) for _ in range(args.repeats)]
             # the run of median wall time stands for the cell (host jitter on a shared
             # machine moved single runs by up to 50%); every run's wall time is kept
-            run = sorted(runs)[len(runs) // 2]
+            run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
             wall, toks, drafts = run.wall, run.tokens, run.drafts
             steps = drafts / n if spec else toks / n
             tau = (1 + run.accepted / drafts) if (spec and drafts) else 1.0
@@ -240,7 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs per cell; the run of median wall time is reported")
+                    help="timed runs per cell; the run of median wall time is reported "
+                         "(the lower median: of two runs, the faster)")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile: write each cell's Chrome trace (trace-*.json.gz)")
     ap.add_argument("--profile", action="store_true",
