@@ -151,10 +151,16 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
 
         sp = SamplingParams(temperature=sp.temperature, max_tokens=min(sp.max_tokens, 32),
                             ignore_eos=True)
+    from vllm_ddtree.stats import spec_counts
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    c0 = spec_counts(llm)  # vLLM's metrics are read outside the profiled region
     with profile(activities=acts, with_stack=trace is not None) as prof:
-        run = timed_generate(llm, batch, sp, spec)
-    wall, toks, drafts = run.wall, run.tokens, run.drafts
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = (spec_counts(llm) - c0).drafts
     kernels = [e for e in prof.key_averages()
                if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
@@ -248,6 +254,10 @@ def main(argv=None) -> int:
                     help="also run each cell once under torch.profiler (engine in this "
                          "process): GPU-busy ms per step and the top kernels")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if args.trace and not args.profile:
+        ap.error("--trace needs --profile")
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     out = args.out = Path(args.out)

@@ -42,13 +42,16 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
 
 
 def count_steps(events: list[dict]) -> int:
-    """DDTree propose calls, else the model runner's execute_model calls, else 1."""
+    """DDTree propose calls, else the model runner's execute_model calls.  Neither in
+    the trace (e.g. the workers of a TP > 1 engine ran in other processes): ask for
+    ``--steps``."""
     names = [e["name"] for e in events if e.get("cat") == "python_function"]
     for where, func in (("vllm_ddtree", ": propose"), ("model_runner", ": execute_model")):
         n = sum(1 for name in names if where in name and name.endswith(func))
         if n:
             return n
-    return 1
+    raise SystemExit("no propose/execute_model frames in this trace (workers in other "
+                     "processes?): give --steps")
 
 
 def summarize(events: list[dict], steps: int | None, match: str, top: int) -> dict:

@@ -65,7 +65,9 @@ def test_throughput_profile_cpu_smoke(tmp_path):
 
     summ = summarize(load(str(trace)), None, "vllm_ddtree/", 40)
     ours = {name.rsplit(": ", 1)[-1]: (ms, calls) for name, ms, calls in summ["ours"]}
-    assert summ["steps"] >= 3 and summ["gpu_idle_ms"] is None  # no kernels on CPU
-    assert ours["propose"][1] == 1.0
+    # steps = propose calls in the trace; vLLM's counters saw as many drafts (batch 1)
+    assert summ["steps"] >= 3 and abs(summ["steps"] - row["prof_steps"]) <= 1
+    assert summ["gpu_idle_ms"] is None  # no kernels on CPU
+    assert ours["build_tree"][1] == pytest.approx(1.0, abs=0.5)  # one tree per step
     assert 0 < ours["build_tree"][0] <= ours["propose"][0] <= summ["wall_ms"]
     assert proc.stdout.rstrip().splitlines()[-1].lstrip().startswith("host:")

@@ -128,9 +128,10 @@ LEDGER: tuple[PatchEntry, ...] = (
             "is built, set method='dflash' + ddtree_enabled=True, run vLLM's "
             "DFlash post-init, store ddtree_depth. Wrap the rebuilt __init__ to "
             "explain a missing/invalid num_speculative_tokens. Wrap the "
-            "max_num_new_slots_for_drafting property: for ddtree, the scheduler tokens "
-            "vLLM reserves for DFlash's drafter pass are counted for D mask tokens, not "
-            "for the budget B (B = 63 left 128 tokens per step). VllmConfig is not "
+            "max_num_new_slots_for_drafting property: for ddtree, vLLM's reservation "
+            "for DFlash's drafter pass (counted from num_speculative_tokens = B) becomes "
+            "D, the drafter's mask rows (B = 63 had left 128 tokens per step). "
+            "VllmConfig is not "
             "rebuilt: it receives an instance whose method is already 'dflash' "
             "(rebuilding VllmConfig in TP workers hung profiling in another plugin)."
         ),

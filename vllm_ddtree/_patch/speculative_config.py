@@ -15,7 +15,7 @@ Steps (all recorded in a :class:`PatchSet`, undone in reverse):
    before pydantic's ``gt=0`` constraint answers with a generic message.
 6. ``max_num_new_slots_for_drafting`` (a property) wrapped: vLLM reserves scheduler
    tokens for DFlash's drafter pass from ``num_speculative_tokens`` (= the budget ``B``),
-   but the DDTree drafter pass has ``D`` mask tokens whatever ``B``: count them for ``D``.
+   but the DDTree drafter pass has ``D`` mask tokens whatever ``B``: reserve ``D``.
 """
 
 from __future__ import annotations
@@ -163,10 +163,14 @@ def _make_init(original: Any) -> Any:
 
 
 def _make_drafting_slots(original: property) -> property:
-    """Step 6.  vLLM's reservation for DFlash grows one slot per mask token (0.26:
-    ``K - 1`` per request, 0.32: ``K``; 0.33 reserves none).  With ``K = B`` it took
-    ``62 * max_num_seqs`` tokens from the scheduler at ``B = 63`` (on the H200, 4096
-    batched tokens and 64 sequences left 128 tokens per step: two requests)."""
+    """Step 6.  vLLM sizes this reservation for DFlash from ``K = num_speculative_tokens``
+    (0.26: ``K - 1`` per sequence off ``max_num_batched_tokens``; 0.32: ``K`` per
+    scheduled request; 0.33: none, its drafter has its own query pass).  For DDTree
+    ``K`` is the budget ``B``: at ``B = 63`` it left 128 of 4096 tokens per step on the
+    H200 (64 sequences), i.e. two requests.  The drafter pass adds ``D`` mask rows per
+    request whatever ``B``, so a reserving vLLM gets ``D``: with it the drafter's
+    ``(1 + D)`` rows per request fit its ``max_num_batched_tokens`` buffers (0.26's
+    ``K - 1`` bound does not guarantee that)."""
     fget = original.fget
 
     @functools.wraps(fget)
@@ -174,7 +178,7 @@ def _make_drafting_slots(original: property) -> property:
         n = fget(self)
         if n <= 0 or not getattr(self, ddcfg.MARKER_FIELD, False):
             return n
-        return max(n - (self.num_speculative_tokens - getattr(self, ddcfg.DEPTH_FIELD)), 0)
+        return getattr(self, ddcfg.DEPTH_FIELD)
 
     return property(slots, doc=original.__doc__)
 

@@ -40,7 +40,7 @@ _LOW32 = (1 << 32) - 1
 
 def max_k() -> int:
     """Largest ``k`` :func:`topk_lse` serves with the current settings."""
-    return max(MAX_K, PRUNE_MAX_K) if PRUNE else MAX_K
+    return PRUNE_MAX_K if PRUNE else MAX_K
 
 
 if triton is not None:
