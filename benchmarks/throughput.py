@@ -21,6 +21,7 @@ included); well below the batch size, the scheduler did not fit every request's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -62,18 +63,19 @@ class Run(NamedTuple):
     iterations: int  # engine steps (vLLM's iteration_tokens histogram, prefill included)
 
 
-def timed_generate(llm, batch, sp, spec) -> Run:
-    """One timed ``generate`` and what vLLM's counters saw during it."""
+def timed_generate(llm, batch, sp, within=None) -> Run:
+    """One timed ``generate`` and what vLLM's counters saw during it (all zero drafts
+    without speculation).  ``within``: a context manager around the ``generate`` call
+    only (the profiler: vLLM's metrics are read outside it)."""
     from vllm_ddtree.stats import engine_steps, spec_counts
 
     c0, i0 = spec_counts(llm), engine_steps(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    with within or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     c = spec_counts(llm) - c0
-    if not spec:
-        return Run(wall, toks, 0, 0, engine_steps(llm) - i0)
     return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0)
 
 
@@ -107,7 +109,7 @@ def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
             llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True),
                          use_tqdm=False)
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
-            runs = [timed_generate(llm, batch, sp, spec) for _ in range(args.repeats)]
+            runs = [timed_generate(llm, batch, sp) for _ in range(args.repeats)]
             # the run of median wall time stands for the cell (host jitter on a shared
             # machine moved single runs by up to 50%); every run's wall time is kept
             run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
@@ -151,22 +153,15 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
 
         sp = SamplingParams(temperature=sp.temperature, max_tokens=min(sp.max_tokens, 32),
                             ignore_eos=True)
-    from vllm_ddtree.stats import spec_counts
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    c0 = spec_counts(llm)  # vLLM's metrics are read outside the profiled region
-    with profile(activities=acts, with_stack=trace is not None) as prof:
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = (spec_counts(llm) - c0).drafts
-    kernels = [e for e in prof.key_averages()
+    prof = profile(activities=acts, with_stack=trace is not None)
+    run = timed_generate(llm, batch, sp, within=prof)
+    events = prof.key_averages()
+    kernels = [e for e in events
                if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    host = [e for e in prof.key_averages()
-            if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
+    host = [e for e in events if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
     host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     if trace is not None:
         import gzip
@@ -176,8 +171,8 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(trace)
-    per = max((drafts if spec else toks) / len(batch), 1.0)  # this run's steps
-    return dict(prof_wall_ms=1000 * wall / per, gpu_busy_ms=busy_us / 1000 / per,
+    per = max((run.drafts if spec else run.tokens) / len(batch), 1.0)  # this run's steps
+    return dict(prof_wall_ms=1000 * run.wall / per, gpu_busy_ms=busy_us / 1000 / per,
                 prof_steps=per,
                 top_kernels=[(e.key[:60], round(e.self_device_time_total / 1000 / per, 4),
                               round(e.count / per, 2)) for e in kernels[:top]],
