@@ -18,11 +18,11 @@
 #       the step profile p1 (below): DFlash vs DDTree-15 at equal width (#7)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
-#       PAIR_METHODS=ar,dflash,ddtree-auto,ddtree-online for the adaptive rows (a second
-#       e1 call: each call holds ~5 engines at ~1.5 min each); SKIP_PARTS=1 skips the step
-#       parts, INSTALL=1 installs the plugin first (the last bundle part came with it),
-#       BUDGETS (default 15,31,63), REPEATS (timed runs per cell, default 1: each repeat
-#       adds ~40 s per engine, so keep ~3 engines per call at REPEATS=2)
+#       PAIR_METHODS (default ar,dflash,ddtree; also dflash2, ddtree-auto, ddtree-online:
+#       engines are alive together and the cells interleaved, so keep ~3 per call);
+#       SKIP_PARTS=1 skips the step parts, INSTALL=1 installs the plugin first (the last
+#       bundle part came with it), BUDGETS (default 15,31,63), REPEATS (timed runs per
+#       cell, default 1; each adds ~15-40 s per engine), PAIR_TIMEOUT (default 540 s)
 #   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test (#4 #5; done on
 #       the H200 in session 6)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
@@ -106,13 +106,15 @@ e1)
     echo "exit $?"; tail -n 11 "$LOG/parts.log"
   fi
   banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
-  # seven engines at ~1 min each: split over two calls with PAIR_METHODS (one run = one
-  # set of ratios; keep ar and dflash in both halves to have the ratios in each run)
-  timeout 540 python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+  # engines start one at a time (~1 min each, cold), then the cells run interleaved; keep
+  # ~3 engines per call (PAIR_METHODS; dflash2 = a second DFlash engine, the A/A noise
+  # floor) and dflash in every call to have the ratios in each run
+  timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
     --prompts $D/training_log.json --num-prompts 64 --budgets ${BUDGETS:-15,31,63} \
     --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
     --max-num-batched-tokens 4096 --repeats ${REPEATS:-1} --out "$LOG/pair" > "$LOG/pair.log" 2>&1
   echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
+  grep -E "Error|error:" "$LOG/pair.log" | tail -n 5
   ;;
 d2)
   banner "Qwen3-shaped random model (DDTree rows)"

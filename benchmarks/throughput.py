@@ -5,11 +5,18 @@
         [--repeats 3] [--profile [--trace]]
     python benchmarks/throughput.py --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
 
-One engine per method (same target, same drafter, same prompts), run one after another in
-this process on the same device.  For every batch size and temperature it reports the
-acceptance length tau (tokens per verify step), the mean step time, output tokens/s per
-request and in total, and the ratios to DFlash and to autoregressive.  Shows a progress
-bar, prints a table last and writes ``results.json`` plus ``throughput.png``.
+One engine per method (same target, same drafter, same prompts, same device), each in its
+own child process.  By default every engine is started (one at a time) and the cells are
+interleaved: for each batch size and temperature, every engine runs once per repeat, in
+alternating order, so that drift of the machine (session 8 measured the same DFlash cell
+at 3.1 and 4.7 ms per step in two calls ten minutes apart) falls on all methods alike;
+``--gpu-mem`` is then shared by the engines.  ``--sequential`` runs one engine after
+another instead (the whole ``--gpu-mem`` each).  For every batch size and temperature it
+reports the acceptance length tau (tokens per verify step), the mean step time, output
+tokens/s per request and in total, and the ratios to DFlash and to autoregressive
+(``vs DFlash``: of the reported runs; ``paired``: the median over repeats of the ratio
+within one repeat).  Shows a progress bar, prints a table last and writes
+``results.json`` plus ``throughput.png``.
 
 Step counts come from vLLM's own spec-decode counters (one draft per request per step);
 autoregressive steps = output tokens / batch.  Timings are wall-clock around
@@ -93,48 +100,150 @@ def make_engine(args, spec, width):
     return LLM(**kw)
 
 
-def run_method(args, name, spec, width, prompts, bar) -> list[dict]:
-    import torch
-    from vllm import SamplingParams
+def _cell(prompts, n: int) -> list:
+    return [prompts[i % len(prompts)] for i in range(n)]
 
-    llm = make_engine(args, spec, width)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+
+def engine_worker(args, name, spec, width, prompts, conn) -> None:
+    """Child process: one engine, driven by the parent through ``conn``.  Commands
+    ``(what, temperature, batch)``, what = "warm" (a short generate: a first call at a
+    new shape may JIT-compile kernels), "run" (a timed generate -> :class:`Run`),
+    "profile" (-> :func:`profile_generate`'s dict); ``None`` stops.  Every reply is
+    ``(ok, value)``; a failure replies ``(False, traceback)``."""
+    import traceback
+
+    try:
+        if args.profile:  # the profiler sees only this process: engine in-process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import SamplingParams
+
+        llm = make_engine(args, spec, width)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        conn.send((True, "ready"))
+        while (cmd := conn.recv()) is not None:
+            what, temp, n = cmd
+            batch = _cell(prompts, n)
+            if what == "warm":
+                llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16,
+                                                   ignore_eos=True), use_tqdm=False)
+                conn.send((True, None))
+                continue
+            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
+            if what == "run":
+                conn.send((True, timed_generate(llm, batch, sp)))
+            else:
+                trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
+                conn.send((True, profile_generate(llm, batch, sp, spec, trace=trace)))
+        del llm  # shut the engine down here (left to interpreter exit, it hung on CPU)
+        gc.collect()
+        conn.send((True, "stopped"))
+    except Exception:
+        conn.send((False, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class Engine:
+    """A method's engine in a child process (its own vLLM metrics registry: vLLM
+    re-registers its Prometheus metrics per engine, so two engines in one process would
+    read each other's counters)."""
+
+    def __init__(self, args, name, spec, width, prompts):
+        import multiprocessing as mp
+
+        self.name, self.spec = name, spec
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_worker,
+                                args=(args, name, spec, width, prompts, child), daemon=False)
+        self.proc.start()
+        child.close()
+        self._reply()  # "ready": started one at a time (vLLM profiles free memory at start)
+
+    def _reply(self):
+        try:
+            ok, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.name}: engine process died "
+                               f"(exit code {self.proc.exitcode})") from None
+        if not ok:
+            raise RuntimeError(f"{self.name}: engine process failed:\n{value}")
+        return value
+
+    def __call__(self, what: str, temp: float, n: int):
+        self.conn.send((what, temp, n))
+        return self._reply()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, EOFError, RuntimeError):
+            self.conn.send(None)
+            self._reply()
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
+    # the run of median wall time stands for the cell (host jitter on a shared machine
+    # moved single runs by up to 50%); every run's wall time is kept
+    run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
+    wall, toks, drafts = run.wall, run.tokens, run.drafts
+    steps = drafts / n if spec else toks / n
+    tau = (1 + run.accepted / drafts) if (spec and drafts) else 1.0
+    # requests advanced per engine step: below the batch size when the scheduler could
+    # not fit every request's rows (session 7: 2 of 64 at budget 63)
+    req_it = (drafts if spec else toks) / max(run.iterations, 1)
+    return dict(method=name, temperature=temp, batch=n, tau=tau,
+                step_ms=1000 * wall / max(steps, 1.0), tok_s=toks / wall,
+                tok_s_per_req=toks / wall / n, output_tokens=toks, wall_s=wall,
+                walls_s=[round(r.wall, 4) for r in runs],
+                tok_s_runs=[r.tokens / r.wall for r in runs],
+                engine_steps=run.iterations, req_per_engine_step=req_it)
+
+
+def run_cells(args, engines: list[Engine], bar) -> list[dict]:
+    """Every (temperature, batch) cell on every engine in ``engines``: warm-up, then
+    ``--repeats`` timed runs, the engines' order reversed every other repeat."""
     rows = []
     for temp in args.temps:
         for n in args.batches:
-            batch = [prompts[i % len(prompts)] for i in range(n)]
-            # warm-up at this batch size and temperature: a first call may JIT-compile
-            # kernels for new shapes (the suspected cause of the first H200 run's T = 0
-            # rows, measured first, running 1.5-4x slower per step than its T = 1 rows)
-            llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)
-            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
-            runs = [timed_generate(llm, batch, sp) for _ in range(args.repeats)]
-            # the run of median wall time stands for the cell (host jitter on a shared
-            # machine moved single runs by up to 50%); every run's wall time is kept
-            run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
-            wall, toks, drafts = run.wall, run.tokens, run.drafts
-            steps = drafts / n if spec else toks / n
-            tau = (1 + run.accepted / drafts) if (spec and drafts) else 1.0
-            # requests advanced per engine step: below the batch size when the scheduler
-            # could not fit every request's rows (session 7: 2 of 64 at budget 63)
-            req_it = (drafts if spec else toks) / max(run.iterations, 1)
-            rows.append(dict(method=name, temperature=temp, batch=n, tau=tau,
-                             step_ms=1000 * wall / max(steps, 1.0),
-                             tok_s=toks / wall, tok_s_per_req=toks / wall / n,
-                             output_tokens=toks, wall_s=wall,
-                             walls_s=[round(r.wall, 4) for r in runs],
-                             engine_steps=run.iterations, req_per_engine_step=req_it))
-            if args.profile:
-                trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
-                rows[-1].update(profile_generate(llm, batch, sp, spec, trace=trace))
-            bar.write(json.dumps(rows[-1]))
-            bar.update(1)
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+            for e in engines:
+                e("warm", temp, n)
+            runs: dict[str, list[Run]] = {e.name: [] for e in engines}
+            for rep in range(args.repeats):
+                for e in (engines if rep % 2 == 0 else engines[::-1]):
+                    runs[e.name].append(e("run", temp, n))
+            for e in engines:
+                rows.append(cell_row(e.name, e.spec, temp, n, runs[e.name]))
+                if args.profile:
+                    rows[-1].update(e("profile", temp, n))
+                bar.write(json.dumps(rows[-1]))
+                bar.update(1)
     return rows
+
+
+def run_methods(args, methods, prompts, bar) -> list[dict]:
+    if args.sequential:
+        rows = []
+        for name, spec, width in methods:
+            bar.set_postfix_str(name)
+            e = Engine(args, name, spec, width, prompts)
+            try:
+                rows += run_cells(args, [e], bar)
+            finally:
+                e.stop()
+        return rows
+    engines: list[Engine] = []
+    try:
+        for name, spec, width in methods:
+            bar.set_postfix_str(f"starting {name}")
+            engines.append(Engine(args, name, spec, width, prompts))
+        bar.set_postfix_str("interleaved")
+        return run_cells(args, engines, bar)
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
@@ -181,12 +290,18 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    base = {(r["method"], r["temperature"], r["batch"]): r["tok_s"] for r in rows}
+    """``vs_ar`` / ``vs_dflash``: ratio of the reported runs' throughputs;
+    ``paired_vs_dflash``: the lower median over repeats of the ratio within one repeat
+    (interleaved runs: the two engines ran minutes, not a whole benchmark, apart)."""
+    by = {(r["method"], r["temperature"], r["batch"]): r for r in rows}
     for r in rows:
         key = (r["temperature"], r["batch"])
         for ref in ("ar", "dflash"):
-            b = base.get((ref, *key))
-            r[f"vs_{ref}"] = r["tok_s"] / b if b else None
+            b = by.get((ref, *key))
+            r[f"vs_{ref}"] = r["tok_s"] / b["tok_s"] if b else None
+        b = by.get(("dflash", *key))
+        pairs = sorted(x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])) if b else []
+        r["paired_vs_dflash"] = pairs[(len(pairs) - 1) // 2] if pairs else None
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -232,13 +347,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", help="a .jsonl ({'prompt': ...}) or text file (blank-line x2 separated)")
     ap.add_argument("--num-prompts", type=int, default=64, help="cap for a training_log.json")
     ap.add_argument("--methods", default="ar,dflash,ddtree",
-                    help="ar, dflash, ddtree (one engine per budget), ddtree-auto (adaptive "
+                    help="ar, dflash, dflash2 (a second DFlash engine, 'dflash-b': how far "
+                         "two identical engines differ), ddtree (one engine per budget), "
+                         "ddtree-auto (adaptive "
                          "budget up to the largest of --budgets), ddtree-online (the same, "
                          "re-tuned from the trees' expected acceptance)")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--gpu-mem", type=float, default=0.85,
+                    help="GPU memory fraction for all engines alive at once (interleaved: "
+                         "shared equally; --sequential: each engine's)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one engine after another instead of interleaved cells")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per cell; the run of median wall time is reported "
@@ -253,8 +374,6 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
     if args.trace and not args.profile:
         ap.error("--trace needs --profile")
-    if args.profile:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     out = args.out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
@@ -273,11 +392,17 @@ def main(argv=None) -> int:
     k = args.dflash_k or block - 1
     methods = []
     wanted = args.methods.split(",")
+    unknown = set(wanted) - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"}
+    if unknown:
+        ap.error(f"unknown --methods {sorted(unknown)}")
     if "ar" in wanted:
         methods.append(("ar", None, 1))
     if "dflash" in wanted:
         methods.append(("dflash", {"method": "dflash", "model": str(args.drafter),
                                    "num_speculative_tokens": k}, 1 + k))
+    if "dflash2" in wanted:  # a second, identical DFlash engine: the A/A noise floor
+        methods.append(("dflash-b", {"method": "dflash", "model": str(args.drafter),
+                                     "num_speculative_tokens": k}, 1 + k))
     if "ddtree" in wanted:
         methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
                                      "num_speculative_tokens": b}, 1 + b) for b in budgets]
@@ -287,25 +412,26 @@ def main(argv=None) -> int:
                                    "num_speculative_tokens": max(budgets),
                                    "ddtree_adaptive_budget": mode}, 1 + max(budgets)))
     prompts = load_prompts(args.prompts, args.num_prompts)
+    if not args.sequential and not args.cpu:
+        args.gpu_mem /= len(methods)
     from tqdm import tqdm
 
-    rows: list[dict] = []
     with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
-        for name, spec, width in methods:
-            bar.set_postfix_str(name)
-            rows += run_method(args, name, spec, width, prompts, bar)
+        rows = run_methods(args, methods, prompts, bar)
     add_ratios(rows)
     meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
-                eager=args.eager, max_tokens=args.max_tokens, dflash_k=k)
+                eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
+                repeats=args.repeats, interleaved=not args.sequential)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
-          f"{'tok/s/req':>9} {'vs DFlash':>9} {'vs AR':>6} {'req/it':>6}")
+          f"{'tok/s/req':>9} {'vs DFlash':>9} {'paired':>6} {'vs AR':>6} {'req/it':>6}")
     for r in rows:
         f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
         print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
-              f"{f(r['vs_dflash']):>9} {f(r['vs_ar']):>6} {r['req_per_engine_step']:>6.1f}")
+              f"{f(r['vs_dflash']):>9} {f(r['paired_vs_dflash']):>6} {f(r['vs_ar']):>6} "
+              f"{r['req_per_engine_step']:>6.1f}")
     if args.profile:
         print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'wall ms/step':>12} {'GPU busy':>9}"
               "   top kernels (ms per step, launches per step)")

@@ -29,6 +29,7 @@ def test_throughput_harness_cpu_smoke(tmp_path):
     proc = run_harness(tmp_path, "--methods", "dflash,ddtree", "--batches", "1,2",
                        "--max-tokens", "10", "--repeats", "3")
     res = json.loads((tmp_path / "results.json").read_text())
+    assert res["meta"]["interleaved"] and res["meta"]["repeats"] == 3
     rows = {(r["method"], r["batch"]): r for r in res["rows"]}
     assert set(rows) == {("dflash", 1), ("dflash", 2), ("ddtree-30", 1), ("ddtree-30", 2)}
     for n in (1, 2):
@@ -42,6 +43,11 @@ def test_throughput_harness_cpu_smoke(tmp_path):
             assert r["wall_s"] == pytest.approx(sorted(r["walls_s"])[1], abs=1e-4)
             # every request advances in every decode step (prefill steps pull it below n)
             assert n / 2 < r["req_per_engine_step"] <= n
+        # paired ratio: the median over repeats of the ratio within one repeat
+        d, t = rows[("dflash", n)], rows[("ddtree-30", n)]
+        pairs = sorted(a / b for a, b in zip(t["tok_s_runs"], d["tok_s_runs"]))
+        assert t["paired_vs_dflash"] == pytest.approx(pairs[1])
+        assert d["paired_vs_dflash"] == pytest.approx(1.0)
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert "ddtree-30" in proc.stdout.splitlines()[-1]  # the table is printed last
 

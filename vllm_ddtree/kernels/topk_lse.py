@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover
 
 MAX_K = 16  # one pass: k reductions over each chunk, measured faster than torch.topk
 # only up to k = 16 on H200 (docs/benchmarks/core-gpu.md)
-PRUNE = False  # the pruned variant; off until measured on the GPU (gpu_step_parts.py)
+PRUNE = True  # the pruned variant (measured faster on the H200: performance.md 7)
 PRUNE_MAX_K = 64
 _LOW32 = (1 << 32) - 1
 
