@@ -60,9 +60,11 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'
   fi
   for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
+    # --sequential: one TP engine at a time, as in session 6 (several TP engines alive at
+    # once, the harness's default, have not been tried; a withheld kind's lease is rare)
     timeout ${TPUT_S:-330} python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
       --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
-      --max-model-len 1024 --max-num-batched-tokens 2048 --out "$LOG/tp$tp" \
+      --max-model-len 1024 --max-num-batched-tokens 2048 --sequential --out "$LOG/tp$tp" \
       > "$LOG/tp$tp.log" 2>&1
     echo "exit $?"; grep -A10 "^method" "$LOG/tp$tp.log"; cleanup
   done
