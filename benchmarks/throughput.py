@@ -15,7 +15,9 @@ another instead (the whole ``--gpu-mem`` each).  For every batch size and temper
 reports the acceptance length tau (tokens per verify step), the mean step time, output
 tokens/s per request and in total, and the ratios to DFlash and to autoregressive
 (``vs DFlash``: of the reported runs; ``paired``: the median over repeats of the ratio
-within one repeat).  Shows a progress bar, prints a table last and writes
+within one repeat, the one to read).  Each repeat of a cell takes the next ``batch``
+prompts, the same for every engine, so tau (counted over all repeats) is not one
+prompt's at batch 1.  Shows a progress bar, prints a table last and writes
 ``results.json`` plus ``throughput.png``.
 
 Step counts come from vLLM's own spec-decode counters (one draft per request per step);
@@ -100,14 +102,16 @@ def make_engine(args, spec, width):
     return LLM(**kw)
 
 
-def _cell(prompts, n: int) -> list:
-    return [prompts[i % len(prompts)] for i in range(n)]
+def _cell(prompts, n: int, rep: int = 0) -> list:
+    """The ``n`` prompts of repeat ``rep``: each repeat takes the next ``n`` (so a batch-1
+    cell's tau is not one prompt's), and every engine gets the same ones per repeat."""
+    return [prompts[(rep * n + i) % len(prompts)] for i in range(n)]
 
 
 def engine_worker(args, name, spec, width, prompts, conn) -> None:
     """Child process: one engine, driven by the parent through ``conn``.  Commands
-    ``(what, temperature, batch)``, what = "warm" (a short generate: a first call at a
-    new shape may JIT-compile kernels), "run" (a timed generate -> :class:`Run`),
+    ``(what, temperature, batch, repeat)``, what = "warm" (a short generate: a first
+    call at a new shape may JIT-compile kernels), "run" (a timed generate -> :class:`Run`),
     "profile" (-> :func:`profile_generate`'s dict); ``None`` stops.  Every reply is
     ``(ok, value)``; a failure replies ``(False, traceback)``."""
     import traceback
@@ -121,8 +125,8 @@ def engine_worker(args, name, spec, width, prompts, conn) -> None:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         conn.send((True, "ready"))
         while (cmd := conn.recv()) is not None:
-            what, temp, n = cmd
-            batch = _cell(prompts, n)
+            what, temp, n, rep = cmd
+            batch = _cell(prompts, n, rep)
             if what == "warm":
                 llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16,
                                                    ignore_eos=True), use_tqdm=False)
@@ -170,8 +174,8 @@ class Engine:
             raise RuntimeError(f"{self.name}: engine process failed:\n{value}")
         return value
 
-    def __call__(self, what: str, temp: float, n: int):
-        self.conn.send((what, temp, n))
+    def __call__(self, what: str, temp: float, n: int, rep: int = 0):
+        self.conn.send((what, temp, n, rep))
         return self._reply()
 
     def stop(self) -> None:
@@ -185,12 +189,14 @@ class Engine:
 
 
 def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
-    # the run of median wall time stands for the cell (host jitter on a shared machine
-    # moved single runs by up to 50%); every run's wall time is kept
+    # the run of median wall time stands for the cell's times (host jitter on a shared
+    # machine moved single runs by up to 50%); every run's wall time is kept.  tau counts
+    # every run (each repeat has its own prompts)
     run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
     wall, toks, drafts = run.wall, run.tokens, run.drafts
     steps = drafts / n if spec else toks / n
-    tau = (1 + run.accepted / drafts) if (spec and drafts) else 1.0
+    all_drafts = sum(r.drafts for r in runs)
+    tau = (1 + sum(r.accepted for r in runs) / all_drafts) if (spec and all_drafts) else 1.0
     # requests advanced per engine step: below the batch size when the scheduler could
     # not fit every request's rows (session 7: 2 of 64 at budget 63)
     req_it = (drafts if spec else toks) / max(run.iterations, 1)
@@ -213,7 +219,7 @@ def run_cells(args, engines: list[Engine], bar) -> list[dict]:
             runs: dict[str, list[Run]] = {e.name: [] for e in engines}
             for rep in range(args.repeats):
                 for e in (engines if rep % 2 == 0 else engines[::-1]):
-                    runs[e.name].append(e("run", temp, n))
+                    runs[e.name].append(e("run", temp, n, rep))
             for e in engines:
                 rows.append(cell_row(e.name, e.spec, temp, n, runs[e.name]))
                 if args.profile:

@@ -25,6 +25,16 @@ def run_harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_cells_take_the_next_prompts_each_repeat():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import _cell
+
+    prompts = list("abcde")
+    assert _cell(prompts, 2, 0) == ["a", "b"] and _cell(prompts, 2, 1) == ["c", "d"]
+    assert _cell(prompts, 2, 2) == ["e", "a"]  # wraps around
+    assert _cell(prompts, 1, 3) == ["d"]
+
+
 def test_throughput_harness_cpu_smoke(tmp_path):
     proc = run_harness(tmp_path, "--methods", "dflash,ddtree", "--batches", "1,2",
                        "--max-tokens", "10", "--repeats", "3")
