@@ -23,7 +23,7 @@
 #       SKIP_PARTS=1 skips the step parts, INSTALL=1 installs the plugin first (the last
 #       bundle part came with it), BUDGETS (default 15,31,63), REPEATS (timed runs per
 #       cell, default 1; each adds ~15-40 s per engine), PAIR_TOKENS (output tokens per
-#       request, default 128), PAIR_TIMEOUT (default 540 s)
+#       request, default 128), PAIR_TEMPS (default 0,1), PAIR_TIMEOUT (default 540 s)
 #   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test (#4 #5; done on
 #       the H200 in session 6)
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
@@ -113,6 +113,7 @@ e1)
   timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
     --prompts $D/training_log.json --num-prompts 64 --budgets ${BUDGETS:-15,31,63} \
     --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
+    --temps ${PAIR_TEMPS:-0,1} \
     --max-num-batched-tokens 4096 --repeats ${REPEATS:-1} --max-tokens ${PAIR_TOKENS:-128} \
     --out "$LOG/pair" > "$LOG/pair.log" 2>&1
   echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
@@ -160,7 +161,7 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
   timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
     --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile --trace \
-    --max-model-len 1024 --max-num-batched-tokens 2048 --gpu-mem 0.4 --out "$LOG/prof" \
+    --max-model-len 1024 --max-num-batched-tokens 2048 --gpu-mem 0.4 --sequential --out "$LOG/prof" \
     > "$LOG/prof.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/prof.log"
   ;;

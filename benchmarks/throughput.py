@@ -1,4 +1,4 @@
-"""Autoregressive vs vLLM's DFlash chain vs DDTree, side by side in one process.
+"""Autoregressive vs vLLM's DFlash chain vs DDTree, side by side on one device.
 
     python benchmarks/throughput.py --target T --drafter D --out DIR \
         [--budgets 16,32,64] [--batches 1,2,4,8,16,32,64] [--temps 0,1] [--max-tokens 128]
@@ -12,13 +12,13 @@ alternating order, so that drift of the machine (session 8 measured the same DFl
 at 3.1 and 4.7 ms per step in two calls ten minutes apart) falls on all methods alike;
 ``--gpu-mem`` is then shared by the engines.  ``--sequential`` runs one engine after
 another instead (the whole ``--gpu-mem`` each).  For every batch size and temperature it
-reports the acceptance length tau (tokens per verify step), the mean step time, output
-tokens/s per request and in total, and the ratios to DFlash and to autoregressive
-(``vs DFlash``: of the reported runs; ``paired``: the median over repeats of the ratio
-within one repeat, the one to read).  Each repeat of a cell takes the next ``batch``
-prompts, the same for every engine, so tau (counted over all repeats) is not one
-prompt's at batch 1.  Shows a progress bar, prints a table last and writes
-``results.json`` plus ``throughput.png``.
+reports, over all repeats of the cell, the acceptance length tau (tokens per verify
+step), the mean step time, output tokens/s per request and in total, and the ratios to
+DFlash and to autoregressive (``vs DFlash``: of those totals; ``paired``: the median over
+repeats of the ratio within one repeat, interleaved runs only).  Each repeat takes the
+next ``batch`` prompts, the same for every engine (so batch 1 is not one prompt), and
+prefix caching is off (a repeat's prompts are not cached by an earlier one).  Shows a
+progress bar, prints a table last and writes ``results.json`` plus ``throughput.png``.
 
 Step counts come from vLLM's own spec-decode counters (one draft per request per step);
 autoregressive steps = output tokens / batch.  Timings are wall-clock around
@@ -34,6 +34,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -94,7 +95,7 @@ def make_engine(args, spec, width):
     kw = dict(model=str(args.target), dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_mem,
               disable_log_stats=False, enforce_eager=args.eager, speculative_config=spec,
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, enable_prefix_caching=False)
     if not args.eager:
         kw["compilation_config"] = {"max_cudagraph_capture_size":
                                     min(max(args.batches) * width, args.max_num_batched_tokens)}
@@ -162,7 +163,11 @@ class Engine:
                                 args=(args, name, spec, width, prompts, child), daemon=False)
         self.proc.start()
         child.close()
-        self._reply()  # "ready": started one at a time (vLLM profiles free memory at start)
+        try:
+            self._reply()  # "ready": started one at a time (vLLM profiles memory at start)
+        except BaseException:
+            self._end()
+            raise
 
     def _reply(self):
         try:
@@ -181,31 +186,36 @@ class Engine:
     def stop(self) -> None:
         with contextlib.suppress(OSError, EOFError, RuntimeError):
             self.conn.send(None)
-            self._reply()
-        self.proc.join(timeout=60)
+            if self.conn.poll(120):  # the engine's own shutdown
+                self._reply()
+        self._end()
+
+    def _end(self) -> None:
+        self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
 
 
 def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
-    # the run of median wall time stands for the cell's times (host jitter on a shared
-    # machine moved single runs by up to 50%); every run's wall time is kept.  tau counts
-    # every run (each repeat has its own prompts)
-    run = sorted(runs)[(len(runs) - 1) // 2]  # the lower median
-    wall, toks, drafts = run.wall, run.tokens, run.drafts
+    """One cell's row from its repeats, totalled: every repeat has its own prompts and
+    every engine the same ones, so totals compare like with like across engines (the
+    fastest run of each engine would not).  Every run's wall time is kept."""
+    wall = sum(r.wall for r in runs)
+    toks = sum(r.tokens for r in runs)
+    drafts = sum(r.drafts for r in runs)
+    iters = sum(r.iterations for r in runs)
     steps = drafts / n if spec else toks / n
-    all_drafts = sum(r.drafts for r in runs)
-    tau = (1 + sum(r.accepted for r in runs) / all_drafts) if (spec and all_drafts) else 1.0
+    tau = (1 + sum(r.accepted for r in runs) / drafts) if (spec and drafts) else 1.0
     # requests advanced per engine step: below the batch size when the scheduler could
     # not fit every request's rows (session 7: 2 of 64 at budget 63)
-    req_it = (drafts if spec else toks) / max(run.iterations, 1)
+    req_it = (drafts if spec else toks) / max(iters, 1)
     return dict(method=name, temperature=temp, batch=n, tau=tau,
                 step_ms=1000 * wall / max(steps, 1.0), tok_s=toks / wall,
                 tok_s_per_req=toks / wall / n, output_tokens=toks, wall_s=wall,
                 walls_s=[round(r.wall, 4) for r in runs],
                 tok_s_runs=[r.tokens / r.wall for r in runs],
-                engine_steps=run.iterations, req_per_engine_step=req_it)
+                engine_steps=iters, req_per_engine_step=req_it)
 
 
 def run_cells(args, engines: list[Engine], bar) -> list[dict]:
@@ -253,8 +263,8 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
 
 
 def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
-    """The same generate again under torch.profiler (engine in this process: --profile
-    sets VLLM_ENABLE_V1_MULTIPROCESSING=0): wall and GPU-busy time per step (the sum of
+    """The same generate again under torch.profiler (engine in the worker's own process:
+    --profile sets VLLM_ENABLE_V1_MULTIPROCESSING=0 there): wall and GPU-busy time per step (the sum of
     the kernel times the profiler records), the kernels that take longest and the host
     ops with the most self CPU time (where the host's step time goes).  Profiling slows
     the host side, so compare GPU-busy with the unprofiled step time.  ``trace``: also
@@ -295,10 +305,10 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
                            round(e.count / per, 2)) for e in host[:2 * top]])
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """``vs_ar`` / ``vs_dflash``: ratio of the reported runs' throughputs;
-    ``paired_vs_dflash``: the lower median over repeats of the ratio within one repeat
-    (interleaved runs: the two engines ran minutes, not a whole benchmark, apart)."""
+def add_ratios(rows: list[dict], paired: bool = True) -> None:
+    """``vs_ar`` / ``vs_dflash``: ratio of the cells' total throughputs;
+    ``paired_vs_dflash`` (``paired``: interleaved runs only, where one repeat of every
+    engine ran within seconds): the median over repeats of the ratio within a repeat."""
     by = {(r["method"], r["temperature"], r["batch"]): r for r in rows}
     for r in rows:
         key = (r["temperature"], r["batch"])
@@ -306,8 +316,8 @@ def add_ratios(rows: list[dict]) -> None:
             b = by.get((ref, *key))
             r[f"vs_{ref}"] = r["tok_s"] / b["tok_s"] if b else None
         b = by.get(("dflash", *key))
-        pairs = sorted(x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])) if b else []
-        r["paired_vs_dflash"] = pairs[(len(pairs) - 1) // 2] if pairs else None
+        pairs = [x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])] if b else []
+        r["paired_vs_dflash"] = statistics.median(pairs) if (pairs and paired) else None
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -373,8 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="with --profile: write each cell's Chrome trace (trace-*.json.gz)")
     ap.add_argument("--profile", action="store_true",
-                    help="also run each cell once under torch.profiler (engine in this "
-                         "process): GPU-busy ms per step and the top kernels")
+                    help="also run each cell once under torch.profiler (engine inside its "
+                         "worker process): GPU-busy ms per step and the top kernels")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -424,10 +434,13 @@ def main(argv=None) -> int:
 
     with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
         rows = run_methods(args, methods, prompts, bar)
-    add_ratios(rows)
+    add_ratios(rows, paired=not args.sequential)
+    from vllm_ddtree.kernels import topk_lse
+
     meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
-                repeats=args.repeats, interleaved=not args.sequential)
+                repeats=args.repeats, interleaved=not args.sequential,
+                gpu_mem_per_engine=args.gpu_mem, topk_prune=topk_lse.PRUNE)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "

@@ -25,16 +25,6 @@ def run_harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_cells_take_the_next_prompts_each_repeat():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from throughput import _cell
-
-    prompts = list("abcde")
-    assert _cell(prompts, 2, 0) == ["a", "b"] and _cell(prompts, 2, 1) == ["c", "d"]
-    assert _cell(prompts, 2, 2) == ["e", "a"]  # wraps around
-    assert _cell(prompts, 1, 3) == ["d"]
-
-
 def test_throughput_harness_cpu_smoke(tmp_path):
     proc = run_harness(tmp_path, "--methods", "dflash,ddtree", "--batches", "1,2",
                        "--max-tokens", "10", "--repeats", "3")
@@ -45,12 +35,11 @@ def test_throughput_harness_cpu_smoke(tmp_path):
     for n in (1, 2):
         assert rows[("dflash", n)]["tau"] == pytest.approx(1.0)
         assert rows[("ddtree-30", n)]["tau"] == pytest.approx(2.0, abs=0.15)
-        assert rows[("ddtree-30", n)]["output_tokens"] == 10 * n
         assert rows[("ddtree-30", n)]["vs_dflash"] > 0 and rows[("ddtree-30", n)]["vs_ar"] is None
-        for m in ("dflash", "ddtree-30"):  # the reported run is the median of three
+        for m in ("dflash", "ddtree-30"):  # the cell totals its three runs
             r = rows[(m, n)]
-            assert len(r["walls_s"]) == 3
-            assert r["wall_s"] == pytest.approx(sorted(r["walls_s"])[1], abs=1e-4)
+            assert len(r["walls_s"]) == 3 and r["output_tokens"] == 30 * n
+            assert r["wall_s"] == pytest.approx(sum(r["walls_s"]), abs=1e-3)
             # every request advances in every decode step (prefill steps pull it below n)
             assert n / 2 < r["req_per_engine_step"] <= n
         # paired ratio: the median over repeats of the ratio within one repeat

@@ -8,17 +8,19 @@ the row's top ``k`` exactly.  Reference: ``depth_candidates`` on CPU (a stable s
 
 Two variants (``PRUNE``):
 
-* one pass (default): each program also writes its chunk's max and sum of exponentials
+* one pass: each program also writes its chunk's max and sum of exponentials
   (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
   151936-token vocabulary this was the DDTree step's largest own kernel on the H200
   (0.78 ms per step for 480 rows, k = 15; docs/benchmarks/performance.md section 6.1):
   compute-bound on the ``k`` reductions.
-* pruned: a first kernel writes the chunk maxima and sums; ``t`` = the ``k``-th largest
-  chunk maximum of the row is a lower bound on the row's ``k``-th largest value (the top
-  ``k`` chunk maxima are ``k`` distinct entries >= ``t``), so only entries >= ``t`` can be
-  in the top ``k``.  The second kernel skips chunks whose maximum is below ``t`` and runs
-  one reduction per entry >= ``t`` (at most ``k``).  Smaller chunks for larger ``k`` keep
-  at least ``k`` chunks per row where the vocabulary allows.  Same result bit for bit.
+* pruned (the default since session 8: twice as fast at 32 x 15 rows on the H200,
+  docs/benchmarks/performance.md section 7.1): a first kernel writes the chunk maxima
+  and sums; ``t`` = the ``k``-th largest chunk maximum of the row is a lower bound on the
+  row's ``k``-th largest value (the top ``k`` chunk maxima are ``k`` distinct entries
+  >= ``t``), so only entries >= ``t`` can be in the top ``k``.  The second kernel skips
+  chunks whose maximum is below ``t`` and runs one reduction per entry >= ``t`` (at most
+  ``k``).  Smaller chunks for larger ``k`` keep at least ``k`` chunks per row where the
+  vocabulary allows.  Same result bit for bit.
 """
 
 from __future__ import annotations
