@@ -51,6 +51,23 @@ def test_throughput_harness_cpu_smoke(tmp_path):
     assert "ddtree-30" in proc.stdout.splitlines()[-1]  # the table is printed last
 
 
+def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
+    """--sequential (one engine at a time, as the profile and TP lease stages run it) and
+    the A/A engine (dflash2): same configuration, so the same tokens and the same tau;
+    no paired ratio for runs that were not interleaved."""
+    proc = run_harness(tmp_path, "--methods", "dflash,dflash2", "--batches", "2",
+                       "--max-tokens", "6", "--repeats", "2", "--sequential")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["meta"]["interleaved"] is False
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"dflash", "dflash-b"}
+    for r in rows.values():
+        assert r["output_tokens"] == 2 * 2 * 6 and r["paired_vs_dflash"] is None
+        assert r["tau"] == pytest.approx(1.0) and r["vs_dflash"] > 0
+    assert rows["dflash-b"]["engine_steps"] == rows["dflash"]["engine_steps"]
+    assert "dflash-b" in proc.stdout.splitlines()[-1]
+
+
 def test_throughput_profile_cpu_smoke(tmp_path):
     """--profile --trace: the host ops with the most self time per step and a gzipped
     Chrome trace per cell (on CPU there are no GPU kernels: GPU busy is 0)."""
