@@ -264,10 +264,11 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
 
 def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
     """The same generate again under torch.profiler (engine in the worker's own process:
-    --profile sets VLLM_ENABLE_V1_MULTIPROCESSING=0 there): wall and GPU-busy time per step (the sum of
-    the kernel times the profiler records), the kernels that take longest and the host
-    ops with the most self CPU time (where the host's step time goes).  Profiling slows
-    the host side, so compare GPU-busy with the unprofiled step time.  ``trace``: also
+    --profile sets VLLM_ENABLE_V1_MULTIPROCESSING=0 there): wall and GPU-busy time per
+    step (the sum of the kernel times the profiler records), the kernels that take
+    longest and the host ops with the most self CPU time (where the host's step time
+    goes).  Profiling slows the host side, so compare GPU-busy with the unprofiled step
+    time.  ``trace``: also
     record Python stacks and write the Chrome trace there, gzipped, for
     ``benchmarks/trace_summary.py`` (32 tokens per request then, to keep it small)."""
     import torch
@@ -378,8 +379,8 @@ def main(argv=None) -> int:
                     help="one engine after another instead of interleaved cells")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs per cell; the run of median wall time is reported "
-                         "(the lower median: of two runs, the faster)")
+                    help="timed runs per cell, interleaved across engines; the cell "
+                         "reports their totals and the median paired ratio")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile: write each cell's Chrome trace (trace-*.json.gz)")
     ap.add_argument("--profile", action="store_true",
@@ -413,12 +414,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown --methods {sorted(unknown)}")
     if "ar" in wanted:
         methods.append(("ar", None, 1))
+    dflash = {"method": "dflash", "model": str(args.drafter), "num_speculative_tokens": k}
     if "dflash" in wanted:
-        methods.append(("dflash", {"method": "dflash", "model": str(args.drafter),
-                                   "num_speculative_tokens": k}, 1 + k))
+        methods.append(("dflash", dflash, 1 + k))
     if "dflash2" in wanted:  # a second, identical DFlash engine: the A/A noise floor
-        methods.append(("dflash-b", {"method": "dflash", "model": str(args.drafter),
-                                     "num_speculative_tokens": k}, 1 + k))
+        methods.append(("dflash-b", dict(dflash), 1 + k))
     if "ddtree" in wanted:
         methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
                                      "num_speculative_tokens": b}, 1 + b) for b in budgets]
