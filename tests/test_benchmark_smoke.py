@@ -64,7 +64,9 @@ def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
     for r in rows.values():
         assert r["output_tokens"] == 2 * 2 * 6 and r["paired_vs_dflash"] is None
         assert r["tau"] == pytest.approx(1.0) and r["vs_dflash"] > 0
-    assert rows["dflash-b"]["engine_steps"] == rows["dflash"]["engine_steps"]
+        # both requests advance in every decode step (engine step counts themselves vary
+        # by one between identical engines: when the prefill lands is a scheduling race)
+        assert 1 < r["req_per_engine_step"] <= 2
     assert "dflash-b" in proc.stdout.splitlines()[-1]
 
 
