@@ -18,8 +18,9 @@
 #       the step profile p1 (below): DFlash vs DDTree-15 at equal width (#7)
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
-#       PAIR_METHODS (default ar,dflash,ddtree; also dflash2, ddtree-auto, ddtree-online:
-#       engines are alive together and the cells interleaved, so keep ~3 per call);
+#       PAIR_METHODS (default ar,dflash,ddtree; also dflash2, ddtree-N, ddtree-auto,
+#       ddtree-online: engines are alive together, each pinned to its own CPUs, and the
+#       cells interleaved, so keep 3-4 per call);
 #       SKIP_PARTS=1 skips the step parts, INSTALL=1 installs the plugin first (the last
 #       bundle part came with it), BUDGETS (default 15,31,63), REPEATS (timed runs per
 #       cell, default 1; each adds ~15-40 s per engine), PAIR_TOKENS (output tokens per

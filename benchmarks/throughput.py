@@ -34,6 +34,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -71,22 +72,61 @@ class Run(NamedTuple):
     drafts: int  # request verify steps (0 without speculation)
     accepted: int  # accepted draft tokens
     iterations: int  # engine steps (vLLM's iteration_tokens histogram, prefill included)
+    gaps: tuple = ()  # s from the start, then between successive engine outputs received
 
 
-def timed_generate(llm, batch, sp, within=None) -> Run:
+# A gap between two engine outputs longer than STALL_FACTOR x the run's median gap (and
+# than STALL_MIN_S) is a stall: the "trimmed" wall time counts it as that cap.  Two
+# identical engines stalled ~0.3-1 s in random runs on the H200 (session 9), which is
+# what made the A/A floor wide; each cell reports its stalls, so a method that stalls
+# more than DFlash is visible rather than trimmed away unseen.
+STALL_FACTOR = 5.0
+STALL_MIN_S = 0.02
+
+
+def trim_stalls(gaps) -> tuple[float, int]:
+    """``(seconds above the cap, number of stalls)`` of one run's output gaps; the first
+    gap (prefill) is never a stall."""
+    rest = list(gaps[1:])
+    if not rest:
+        return 0.0, 0
+    cap = max(STALL_FACTOR * statistics.median(rest), STALL_MIN_S)
+    over = [g - cap for g in rest if g > cap]
+    return sum(over), len(over)
+
+
+def mark_outputs(llm) -> list:
+    """Record when each engine output reaches ``llm`` (``LLM.generate`` pulls one per
+    ``llm_engine.step()``): the returned list gets a ``perf_counter`` per output."""
+    marks, step = [], llm.llm_engine.step
+
+    def timed_step():
+        out = step()
+        marks.append(time.perf_counter())
+        return out
+
+    llm.llm_engine.step = timed_step
+    return marks
+
+
+def timed_generate(llm, batch, sp, within=None, marks=None) -> Run:
     """One timed ``generate`` and what vLLM's counters saw during it (all zero drafts
     without speculation).  ``within``: a context manager around the ``generate`` call
-    only (the profiler: vLLM's metrics are read outside it)."""
+    only (the profiler: vLLM's metrics are read outside it); ``marks``: the list of
+    :func:`mark_outputs`, for the run's output gaps."""
     from vllm_ddtree.stats import engine_steps, spec_counts
 
     c0, i0 = spec_counts(llm), engine_steps(llm)
+    if marks is not None:
+        marks.clear()
     with within or contextlib.nullcontext():
         t0 = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     c = spec_counts(llm) - c0
-    return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0)
+    gaps = tuple(b - a for a, b in zip([t0, *marks], marks)) if marks else ()
+    return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0, gaps)
 
 
 def make_engine(args, spec, width):
@@ -109,20 +149,36 @@ def _cell(prompts, n: int, rep: int = 0) -> list:
     return [prompts[(rep * n + i) % len(prompts)] for i in range(n)]
 
 
-def engine_worker(args, name, spec, width, prompts, conn) -> None:
+def cpu_sets(cpus, n: int) -> list:
+    """``cpus`` split into ``n`` contiguous, disjoint, near-equal sets (one per engine),
+    or ``n`` times ``None`` (no pinning) when there are fewer than two CPUs per engine."""
+    cpus = sorted(cpus)
+    if n < 1 or len(cpus) < 2 * n:
+        return [None] * n
+    q, r = divmod(len(cpus), n)
+    sizes = [q + (i < r) for i in range(n)]
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return [cpus[a:a + m] for a, m in zip(starts, sizes)]
+
+
+def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     """Child process: one engine, driven by the parent through ``conn``.  Commands
     ``(what, temperature, batch, repeat)``, what = "warm" (a short generate: a first
     call at a new shape may JIT-compile kernels), "run" (a timed generate -> :class:`Run`),
     "profile" (-> :func:`profile_generate`'s dict); ``None`` stops.  Every reply is
-    ``(ok, value)``; a failure replies ``(False, traceback)``."""
+    ``(ok, value)``; a failure replies ``(False, traceback)``.  ``cpus``: the CPUs this
+    engine's processes are pinned to (``--pin-cpus``)."""
     import traceback
 
     try:
+        if cpus:  # this process and every process it starts (the engine core) stay there
+            os.sched_setaffinity(0, cpus)
         if args.profile:  # the profiler sees only this process: engine in-process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import SamplingParams
 
         llm = make_engine(args, spec, width)
+        marks = mark_outputs(llm)
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         conn.send((True, "ready"))
         while (cmd := conn.recv()) is not None:
@@ -135,7 +191,7 @@ def engine_worker(args, name, spec, width, prompts, conn) -> None:
                 continue
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
             if what == "run":
-                conn.send((True, timed_generate(llm, batch, sp)))
+                conn.send((True, timed_generate(llm, batch, sp, marks=marks)))
             else:
                 trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
                 conn.send((True, profile_generate(llm, batch, sp, spec, trace=trace)))
@@ -153,14 +209,14 @@ class Engine:
     re-registers its Prometheus metrics per engine, so two engines in one process would
     read each other's counters)."""
 
-    def __init__(self, args, name, spec, width, prompts):
+    def __init__(self, args, name, spec, width, prompts, cpus=None):
         import multiprocessing as mp
 
         self.name, self.spec = name, spec
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_worker,
-                                args=(args, name, spec, width, prompts, child), daemon=False)
+        self.proc = ctx.Process(target=engine_worker, daemon=False,
+                                args=(args, name, spec, width, prompts, child, cpus))
         self.proc.start()
         child.close()
         try:
@@ -210,12 +266,20 @@ def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
     # requests advanced per engine step: below the batch size when the scheduler could
     # not fit every request's rows (session 7: 2 of 64 at budget 63)
     req_it = (drafts if spec else toks) / max(iters, 1)
+    cut = [trim_stalls(r.gaps) for r in runs]
+    trimmed = [r.wall - c for r, (c, _) in zip(runs, cut)]
     return dict(method=name, temperature=temp, batch=n, tau=tau,
                 step_ms=1000 * wall / max(steps, 1.0), tok_s=toks / wall,
                 tok_s_per_req=toks / wall / n, output_tokens=toks, wall_s=wall,
                 walls_s=[round(r.wall, 4) for r in runs],
                 tok_s_runs=[r.tokens / r.wall for r in runs],
-                engine_steps=iters, req_per_engine_step=req_it)
+                engine_steps=iters, req_per_engine_step=req_it,
+                stall_s=sum(c for c, _ in cut), stalls=sum(k for _, k in cut),
+                tok_s_trimmed=toks / sum(trimmed),
+                tok_s_runs_trimmed=[r.tokens / w for r, w in zip(runs, trimmed)],
+                median_gap_ms=[round(1000 * statistics.median(r.gaps[1:]), 3)
+                               if len(r.gaps) > 1 else None for r in runs],
+                gaps_ms=[[round(1000 * g, 2) for g in r.gaps] for r in runs])
 
 
 def run_cells(args, engines: list[Engine], bar) -> list[dict]:
@@ -252,9 +316,9 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
         return rows
     engines: list[Engine] = []
     try:
-        for name, spec, width in methods:
+        for (name, spec, width), cpus in zip(methods, args.cpu_sets):
             bar.set_postfix_str(f"starting {name}")
-            engines.append(Engine(args, name, spec, width, prompts))
+            engines.append(Engine(args, name, spec, width, prompts, cpus))
         bar.set_postfix_str("interleaved")
         return run_cells(args, engines, bar)
     finally:
@@ -319,6 +383,12 @@ def add_ratios(rows: list[dict], paired: bool = True) -> None:
         b = by.get(("dflash", *key))
         pairs = [x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])] if b else []
         r["paired_vs_dflash"] = statistics.median(pairs) if (pairs and paired) else None
+        # the same two ratios with every run's stalls cut to the cap (trim_stalls)
+        r["vs_dflash_trimmed"] = (r["tok_s_trimmed"] / b["tok_s_trimmed"]
+                                  if b and "tok_s_trimmed" in r else None)
+        pairs = ([x / y for x, y in zip(r["tok_s_runs_trimmed"], b["tok_s_runs_trimmed"])]
+                 if b and "tok_s_runs_trimmed" in r else [])
+        r["paired_trimmed"] = statistics.median(pairs) if (pairs and paired) else None
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -348,6 +418,32 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
+    """``(name, speculative_config or None, verify rows per request)`` per engine of
+    ``--methods``; ``ValueError`` for an unknown one."""
+    fixed = [m for m in wanted if re.fullmatch(r"ddtree-[1-9][0-9]*", m)]  # static budget N
+    unknown = (set(wanted) - set(fixed)
+               - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"})
+    if unknown:
+        raise ValueError(f"unknown --methods {sorted(unknown)}")
+    methods = [("ar", None, 1)] if "ar" in wanted else []
+    dflash = {"method": "dflash", "model": drafter, "num_speculative_tokens": k}
+    if "dflash" in wanted:
+        methods.append(("dflash", dflash, 1 + k))
+    if "dflash2" in wanted:  # a second, identical DFlash engine: the A/A noise floor
+        methods.append(("dflash-b", dict(dflash), 1 + k))
+    static = sorted(set((budgets if "ddtree" in wanted else [])
+                        + [int(m.split("-")[1]) for m in fixed]))
+    methods += [(f"ddtree-{b}", {"method": "ddtree", "model": drafter,
+                                 "num_speculative_tokens": b}, 1 + b) for b in static]
+    for name, mode in (("ddtree-auto", True), ("ddtree-online", "online")):
+        if name in wanted:
+            methods.append((name, {"method": "ddtree", "model": drafter,
+                                   "num_speculative_tokens": max(budgets),
+                                   "ddtree_adaptive_budget": mode}, 1 + max(budgets)))
+    return methods
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target")
@@ -366,6 +462,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="ar,dflash,ddtree",
                     help="ar, dflash, dflash2 (a second DFlash engine, 'dflash-b': how far "
                          "two identical engines differ), ddtree (one engine per budget), "
+                         "ddtree-N (one engine of static budget N), "
                          "ddtree-auto (adaptive "
                          "budget up to the largest of --budgets), ddtree-online (the same, "
                          "re-tuned from the trees' expected acceptance)")
@@ -377,6 +474,9 @@ def main(argv=None) -> int:
                          "shared equally; --sequential: each engine's)")
     ap.add_argument("--sequential", action="store_true",
                     help="one engine after another instead of interleaved cells")
+    ap.add_argument("--pin-cpus", choices=("auto", "on", "off"), default="auto",
+                    help="pin each interleaved engine's processes to its own CPUs (auto: on "
+                         "a GPU with at least two CPUs per engine; never with --sequential)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per cell, interleaved across engines; the cell "
@@ -407,29 +507,17 @@ def main(argv=None) -> int:
     budgets = [int(x) for x in args.budgets.split(",")]
     block = json.loads((Path(args.drafter) / "config.json").read_text()).get("block_size", 16)
     k = args.dflash_k or block - 1
-    methods = []
-    wanted = args.methods.split(",")
-    unknown = set(wanted) - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"}
-    if unknown:
-        ap.error(f"unknown --methods {sorted(unknown)}")
-    if "ar" in wanted:
-        methods.append(("ar", None, 1))
-    dflash = {"method": "dflash", "model": str(args.drafter), "num_speculative_tokens": k}
-    if "dflash" in wanted:
-        methods.append(("dflash", dflash, 1 + k))
-    if "dflash2" in wanted:  # a second, identical DFlash engine: the A/A noise floor
-        methods.append(("dflash-b", dict(dflash), 1 + k))
-    if "ddtree" in wanted:
-        methods += [(f"ddtree-{b}", {"method": "ddtree", "model": str(args.drafter),
-                                     "num_speculative_tokens": b}, 1 + b) for b in budgets]
-    for name, mode in (("ddtree-auto", True), ("ddtree-online", "online")):
-        if name in wanted:
-            methods.append((name, {"method": "ddtree", "model": str(args.drafter),
-                                   "num_speculative_tokens": max(budgets),
-                                   "ddtree_adaptive_budget": mode}, 1 + max(budgets)))
+    try:
+        methods = build_methods(args.methods.split(","), budgets, str(args.drafter), k)
+    except ValueError as e:
+        ap.error(str(e))
     prompts = load_prompts(args.prompts, args.num_prompts)
     if not args.sequential and not args.cpu:
         args.gpu_mem /= len(methods)
+    pin = not args.sequential and (args.pin_cpus == "on"
+                                   or (args.pin_cpus == "auto" and not args.cpu))
+    args.cpu_sets = (cpu_sets(os.sched_getaffinity(0), len(methods)) if pin
+                     else [None] * len(methods))
     from tqdm import tqdm
 
     with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
@@ -440,17 +528,20 @@ def main(argv=None) -> int:
     meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
                 repeats=args.repeats, interleaved=not args.sequential,
-                gpu_mem_per_engine=args.gpu_mem, topk_prune=topk_lse.PRUNE)
+                gpu_mem_per_engine=args.gpu_mem, topk_prune=topk_lse.PRUNE,
+                engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)})
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
-          f"{'tok/s/req':>9} {'vs DFlash':>9} {'paired':>6} {'vs AR':>6} {'req/it':>6}")
+          f"{'tok/s/req':>9} {'vs DFlash':>9} {'paired':>6} {'vs AR':>6} {'req/it':>6} "
+          f"{'trimmed':>7} {'p.trim':>6} {'stalls':>6} {'stall s':>7}")
     for r in rows:
         f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
         print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
               f"{f(r['vs_dflash']):>9} {f(r['paired_vs_dflash']):>6} {f(r['vs_ar']):>6} "
-              f"{r['req_per_engine_step']:>6.1f}")
+              f"{r['req_per_engine_step']:>6.1f} {f(r['vs_dflash_trimmed']):>7} "
+              f"{f(r['paired_trimmed']):>6} {r['stalls']:>6} {r['stall_s']:>7.3f}")
     if args.profile:
         print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'wall ms/step':>12} {'GPU busy':>9}"
               "   top kernels (ms per step, launches per step)")

@@ -42,6 +42,10 @@ def test_throughput_harness_cpu_smoke(tmp_path):
             assert r["wall_s"] == pytest.approx(sum(r["walls_s"]), abs=1e-3)
             # every request advances in every decode step (prefill steps pull it below n)
             assert n / 2 < r["req_per_engine_step"] <= n
+            # every run's engine outputs were timed: a median gap per run, and trimming
+            # stalls can only shorten the wall time
+            assert len(r["median_gap_ms"]) == 3 and all(g > 0 for g in r["median_gap_ms"])
+            assert r["tok_s_trimmed"] >= r["tok_s"] and r["stalls"] >= 0
         # paired ratio: the median over repeats of the ratio within one repeat
         d, t = rows[("dflash", n)], rows[("ddtree-30", n)]
         pairs = sorted(a / b for a, b in zip(t["tok_s_runs"], d["tok_s_runs"]))
