@@ -106,6 +106,32 @@ def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
     assert bool(state.tree.chain_flag[2]) == (engine_chain is not None)
 
 
+def test_chain_warning_is_left_for_the_first_real_request(monkeypatch):
+    """vLLM's kernel warm-up sends requests with every sampling feature (penalties too):
+    they are verified as a chain, but the one-time warning must wait for a user's request
+    (on the H200 it fired at start-up and then never for real penalty requests)."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_ddtree.gpu import model_state as ms
+    from vllm_ddtree.gpu.state import TreeBuffers
+
+    monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
+    monkeypatch.setattr(ms, "_logged", set())
+    warned = []
+    monkeypatch.setattr(ms._logger, "warning", lambda msg, *a: warned.append(msg % a))
+    state = ms.DDTreeModelState.__new__(ms.DDTreeModelState)
+    state.tree = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6, depth=3,
+                             device="cpu")
+    state._engine_chain = None
+    penalty = SimpleNamespace(repetition_penalty=1.2, presence_penalty=0.0,
+                              frequency_penalty=0.0)
+    state.add_request(0, SimpleNamespace(req_id="_warmup_0_", sampling_params=penalty))
+    assert bool(state.tree.chain_flag[0]) and warned == []
+    state.add_request(1, SimpleNamespace(req_id="cmpl-1", sampling_params=penalty))
+    state.add_request(2, SimpleNamespace(req_id="cmpl-2", sampling_params=penalty))
+    assert bool(state.tree.chain_flag[1]) and len(warned) == 1 and "penalties" in warned[0]
+
+
 def test_drafter_graphs_ignore_the_per_batch_size_schedule(monkeypatch):
     """ddtree_adaptive_budget gives vLLM a per-batch-size schedule of budgets; vLLM's
     graph manager reads it as the drafter's query width (1 + budget), but the DDTree

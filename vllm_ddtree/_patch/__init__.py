@@ -241,6 +241,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_inputs",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_dummy_inputs",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.add_request",
+            "vllm.v1.worker.gpu.warmup:warmup_kernels",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.rope_state",
             "vllm.v1.worker.gpu.model_states.interface:ModelState.custom_sampler",
             "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
@@ -274,7 +275,9 @@ LEDGER: tuple[PatchEntry, ...] = (
             "its tree-aware subclasses (attn_backend and impl class; no global registry, "
             "drafter layers keep vLLM's). Everything else goes through vLLM's own hooks: "
             "target_model.get_model_state_cls (read by init_model_state) and "
-            "DDTreeModelState.custom_sampler (the verifier). DDTreeSpeculator."
+            "DDTreeModelState.custom_sampler (the verifier); its add_request keeps the "
+            "one-time chain warning from warmup_kernels' requests (ids _warmup_*, every "
+            "sampling feature on). DDTreeSpeculator."
             "init_cudagraph_manager hides speculative_config.num_speculative_tokens_per_"
             "batch_size while vLLM builds the drafter's graph manager (the drafter pass is "
             "1 + D rows whatever the budget). vLLM's V1 DFlashProposer "

@@ -21,6 +21,11 @@ from vllm_ddtree.gpu.state import needs_chain
 
 _logger = get_logger(__name__)
 _logged: set[str] = set()
+# vLLM's kernel warm-up requests (``v1/worker/gpu/warmup.py``: ids ``_warmup_{i}_`` with
+# ``SamplingParams.for_sampler_warmup()``, penalties included; 0.26 and 0.32 checked):
+# verified as a chain like any other, but not logged, so the one-time warning is left for
+# the first real request that needs it.
+_WARMUP_PREFIX = "_warmup_"
 
 
 class DDTreeModelState(DefaultModelState):
@@ -47,7 +52,8 @@ class DDTreeModelState(DefaultModelState):
         reason = self._engine_chain or needs_chain(getattr(new_req_data, "sampling_params",
                                                            None))
         self.tree.chain_flag[req_index] = reason is not None
-        if reason is not None and reason not in _logged:
+        if (reason is not None and reason not in _logged
+                and not str(getattr(new_req_data, "req_id", "")).startswith(_WARMUP_PREFIX)):
             _logged.add(reason)
             _logger.warning(
                 "vllm-ddtree: requests with %s are verified as a linear chain (the "
