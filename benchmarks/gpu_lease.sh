@@ -35,6 +35,9 @@
 #       GPU 0: `vllm serve` check, margin fixtures at TP = 1 (digests; REL=1: also the
 #       reliability tests, done on the H200 in session 5); GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
+#   p3 (after the bundle; INSTALL=1 on the call that carries its last part): DFlash,
+#       A/A and DDTree-15 step cost on the Qwen3-shaped random pair, interleaved and not
+#       profiled (PAIR_METHODS: add @inproc to a method for an in-process engine core)
 #   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
 #       (Qwen3-shaped random pair); both write gzipped Chrome traces with Python stacks
 #       to $OUT (read them with benchmarks/trace_summary.py).
@@ -48,7 +51,7 @@ TRAIN=/root/trainout
 cd "$(dirname "$0")/.."
 source .gpu/unpack.sh
 source benchmarks/gpu_common.sh
-case $STAGE in d1|e1|d2|x2|p1|p2|serve) need_bundle ;; esac
+case $STAGE in d1|e1|d2|x2|p1|p2|p3|serve) need_bundle ;; esac
 install() { install_plugin
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
@@ -151,6 +154,22 @@ x2)
     echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
+  ;;
+p3)  # step cost without profiler, interleaved: the Qwen3-shaped random pair (tau = 1), engines
+  # out of process unless a method ends in @inproc (PAIR_METHODS, default below); pooled
+  # ratios with benchmarks/pooled.py
+  SH=/tmp/qwen3-2b-random
+  [ -f $SH/.done ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
+  [ "${INSTALL:-0}" = 1 ] && install
+  timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target $SH/target \
+    --drafter $SH/drafter --methods "${PAIR_METHODS:-dflash,dflash2,ddtree-15}" --budgets 15 \
+    --batches ${PAIR_BATCHES:-1,8,32} --temps 0 --max-tokens ${PAIR_TOKENS:-128} \
+    --repeats ${REPEATS:-4} --max-model-len 1024 --max-num-batched-tokens 2048 \
+    --out "$LOG/steps" > "$LOG/steps.log" 2>&1
+  echo "exit $?"; sed -n '/^method/,$p' "$LOG/steps.log"
+  python3 benchmarks/pooled.py "$LOG/steps/results.json"
   ;;
 p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
   # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and

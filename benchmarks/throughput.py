@@ -173,7 +173,7 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     try:
         if cpus:  # this process and every process it starts (the engine core) stay there
             os.sched_setaffinity(0, cpus)
-        if args.profile:  # the profiler sees only this process: engine in-process
+        if args.profile or name.endswith(INPROC):  # the profiler sees only this process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import SamplingParams
 
@@ -418,9 +418,20 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+INPROC = "@inproc"  # method suffix: that engine's core runs in its own process's thread
+
+
 def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
     """``(name, speculative_config or None, verify rows per request)`` per engine of
-    ``--methods``; ``ValueError`` for an unknown one."""
+    ``--methods``; ``ValueError`` for an unknown one.  A method with the suffix
+    ``@inproc`` is the same engine with vLLM's engine core in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), named with the suffix."""
+    inproc = [m[: -len(INPROC)] for m in wanted if m.endswith(INPROC)]
+    if inproc:
+        plain = [m for m in wanted if not m.endswith(INPROC)]
+        return ((build_methods(plain, budgets, drafter, k) if plain else [])
+                + [(n + INPROC, spec, w)
+                   for n, spec, w in build_methods(inproc, budgets, drafter, k)])
     fixed = [m for m in wanted if re.fullmatch(r"ddtree-[1-9][0-9]*", m)]  # static budget N
     unknown = (set(wanted) - set(fixed)
                - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"})
@@ -462,7 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="ar,dflash,ddtree",
                     help="ar, dflash, dflash2 (a second DFlash engine, 'dflash-b': how far "
                          "two identical engines differ), ddtree (one engine per budget), "
-                         "ddtree-N (one engine of static budget N), "
+                         "ddtree-N (one engine of static budget N), any of them with "
+                         "the suffix @inproc (vLLM's engine core in-process), "
                          "ddtree-auto (adaptive "
                          "budget up to the largest of --budgets), ddtree-online (the same, "
                          "re-tuned from the trees' expected acceptance)")

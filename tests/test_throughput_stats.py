@@ -68,7 +68,13 @@ def test_methods_static_budgets_and_adaptive_maximum():
     # "ddtree" = one engine per --budgets, merged with ddtree-N without duplicates
     ms = build_methods(["ar", "ddtree", "ddtree-31"], [15, 31], "D", 15)
     assert names(ms) == [("ar", 1), ("ddtree-15", 16), ("ddtree-31", 32)]
-    for bad in (["ddtree-0"], ["ddtree-x"], ["eagle"]):
+    # @inproc: the same engines again, named with the suffix (engine core in-process)
+    ms = build_methods(["dflash", "ddtree-15", "dflash@inproc", "ddtree-15@inproc"],
+                       [63], "D", 15)
+    assert names(ms) == [("dflash", 16), ("ddtree-15", 16), ("dflash@inproc", 16),
+                         ("ddtree-15@inproc", 16)]
+    assert ms[3][1] == ms[1][1]
+    for bad in (["ddtree-0"], ["ddtree-x"], ["eagle"], ["eagle@inproc"]):
         with pytest.raises(ValueError, match="unknown --methods"):
             build_methods(bad, [15], "D", 15)
 
