@@ -180,7 +180,7 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
         llm = make_engine(args, spec, width)
         marks = mark_outputs(llm)
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-        conn.send((True, "ready"))
+        conn.send((True, type(llm.llm_engine.engine_core).__name__))  # ready: core client
         while (cmd := conn.recv()) is not None:
             what, temp, n, rep = cmd
             batch = _cell(prompts, n, rep)
@@ -220,7 +220,9 @@ class Engine:
         self.proc.start()
         child.close()
         try:
-            self._reply()  # "ready": started one at a time (vLLM profiles memory at start)
+            # ready (started one at a time: vLLM profiles memory at start); the engine
+            # core's client class says whether the core is in-process
+            self.core = self._reply()
         except BaseException:
             self._end()
             raise
@@ -304,11 +306,14 @@ def run_cells(args, engines: list[Engine], bar) -> list[dict]:
 
 
 def run_methods(args, methods, prompts, bar) -> list[dict]:
+    """Every cell of every method; ``args.engine_core`` gets each engine's core client."""
+    args.engine_core = {}
     if args.sequential:
         rows = []
         for name, spec, width in methods:
             bar.set_postfix_str(name)
             e = Engine(args, name, spec, width, prompts)
+            args.engine_core[name] = e.core
             try:
                 rows += run_cells(args, [e], bar)
             finally:
@@ -319,6 +324,7 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
         for (name, spec, width), cpus in zip(methods, args.cpu_sets):
             bar.set_postfix_str(f"starting {name}")
             engines.append(Engine(args, name, spec, width, prompts, cpus))
+            args.engine_core[name] = engines[-1].core
         bar.set_postfix_str("interleaved")
         return run_cells(args, engines, bar)
     finally:
@@ -541,7 +547,8 @@ def main(argv=None) -> int:
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
                 repeats=args.repeats, interleaved=not args.sequential,
                 gpu_mem_per_engine=args.gpu_mem, topk_prune=topk_lse.PRUNE,
-                engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)})
+                engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)},
+                engine_core=args.engine_core)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "

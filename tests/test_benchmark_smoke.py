@@ -57,21 +57,25 @@ def test_throughput_harness_cpu_smoke(tmp_path):
 
 def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
     """--sequential (one engine at a time, as the profile and TP lease stages run it) and
-    the A/A engine (dflash2): same configuration, so the same tokens and the same tau;
-    no paired ratio for runs that were not interleaved."""
-    proc = run_harness(tmp_path, "--methods", "dflash,dflash2", "--batches", "2",
-                       "--max-tokens", "6", "--repeats", "2", "--sequential")
+    the A/A engine (dflash2) and the same engine with its core in-process
+    (dflash@inproc): same configuration, so the same tokens and the same tau; no paired
+    ratio for runs that were not interleaved."""
+    proc = run_harness(tmp_path, "--methods", "dflash,dflash2,dflash@inproc", "--batches",
+                       "2", "--max-tokens", "6", "--repeats", "2", "--sequential")
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["meta"]["interleaved"] is False
     rows = {r["method"]: r for r in res["rows"]}
-    assert set(rows) == {"dflash", "dflash-b"}
+    assert set(rows) == {"dflash", "dflash-b", "dflash@inproc"}
+    core = res["meta"]["engine_core"]  # the engine core client of each engine
+    assert core["dflash@inproc"] == "InprocClient" and core["dflash"] == core["dflash-b"]
+    assert core["dflash"] != "InprocClient"
     for r in rows.values():
         assert r["output_tokens"] == 2 * 2 * 6 and r["paired_vs_dflash"] is None
         assert r["tau"] == pytest.approx(1.0) and r["vs_dflash"] > 0
         # both requests advance in every decode step (engine step counts themselves vary
         # by one between identical engines: when the prefill lands is a scheduling race)
         assert 1 < r["req_per_engine_step"] <= 2
-    assert "dflash-b" in proc.stdout.splitlines()[-1]
+    assert "dflash@inproc" in proc.stdout.splitlines()[-1]
 
 
 def test_throughput_profile_cpu_smoke(tmp_path):
