@@ -234,7 +234,7 @@ def _drained(server: Server, timeout_s: float = 60.0) -> str:
 
 
 N_CLIENTS = 64
-CANCELLED_MAX_TOKENS = 160  # prompts are < 40 tokens; MAX_LEN is 256
+CANCELLED_MAX_TOKENS = 160  # the longest prompt is 77 tokens: 77 + 160 < MAX_LEN (256)
 
 
 def test_concurrent_streams_with_cancellations(servers):
