@@ -37,7 +37,9 @@
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
 #   p3 (after the bundle; INSTALL=1 on the call that carries its last part): DFlash,
 #       A/A and DDTree-15 step cost on the Qwen3-shaped random pair, interleaved and not
-#       profiled (PAIR_METHODS: add @inproc to a method for an in-process engine core)
+#       profiled (PAIR_METHODS: add @inproc to a method for an in-process engine core;
+#       HOST_TIMING=1, here and in e1, with every method @inproc: host ms per step by
+#       runner method, benchmarks/hosttime.py)
 #   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
 #       (Qwen3-shaped random pair); both write gzipped Chrome traces with Python stacks
 #       to $OUT (read them with benchmarks/trace_summary.py).
@@ -119,8 +121,8 @@ e1)
     --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
     --temps ${PAIR_TEMPS:-0,1} \
     --max-num-batched-tokens 4096 --repeats ${REPEATS:-1} --max-tokens ${PAIR_TOKENS:-128} \
-    --out "$LOG/pair" > "$LOG/pair.log" 2>&1
-  echo "exit $?"; grep -E "^method|^(ar|dflash|ddtree)" "$LOG/pair.log" | tail -n 60
+    $([ "${HOST_TIMING:-0}" = 1 ] && echo --host-timing) --out "$LOG/pair" > "$LOG/pair.log" 2>&1
+  echo "exit $?"; sed -n '/^method/,$p' "$LOG/pair.log" | tail -n 80
   grep -E "Error|error:" "$LOG/pair.log" | tail -n 5
   ;;
 d2)
@@ -167,7 +169,7 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
     --drafter $SH/drafter --methods "${PAIR_METHODS:-dflash,dflash2,ddtree-15}" --budgets 15 \
     --batches ${PAIR_BATCHES:-1,8,32} --temps 0 --max-tokens ${PAIR_TOKENS:-128} \
     --repeats ${REPEATS:-4} --max-model-len 1024 --max-num-batched-tokens 2048 \
-    --out "$LOG/steps" > "$LOG/steps.log" 2>&1
+    $([ "${HOST_TIMING:-0}" = 1 ] && echo --host-timing) --out "$LOG/steps" > "$LOG/steps.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/steps.log"
   python3 benchmarks/pooled.py "$LOG/steps/results.json"
   ;;

@@ -26,15 +26,29 @@ import statistics
 import sys
 
 
+INPROC = "@inproc"  # throughput.py's method suffix: engine core in-process
+
+
+def reference(method: str, ref: str, methods) -> str:
+    """The engine ``method`` is compared with: ``ref``, or ``ref@inproc`` for an
+    in-process engine when the run has one (like against like)."""
+    if method.endswith(INPROC) and ref + INPROC in methods:
+        return ref + INPROC
+    return ref
+
+
 def paired(rows: list[dict], key: str = "tok_s_runs", ref: str = "dflash",
            invert: bool = False) -> dict:
-    """``{(method, T, batch): [ratio per repeat]}`` of one run's rows against ``ref``;
-    ``invert``: ref / method (for times, so that > 1 still means faster)."""
+    """``{(method, T, batch): [ratio per repeat]}`` of one run's rows against ``ref``
+    (:func:`reference`); ``invert``: ref / method (for times, so that > 1 still means
+    faster)."""
     by = {(r["method"], r["temperature"], r["batch"]): r for r in rows}
+    names = {r["method"] for r in rows}
     out: dict = {}
     for (m, t, b), r in by.items():
-        d = by.get((ref, t, b))
-        if m == ref or d is None or r.get(key) is None or d.get(key) is None:
+        base = reference(m, ref, names)
+        d = by.get((base, t, b))
+        if m == base or d is None or r.get(key) is None or d.get(key) is None:
             continue
         xs = [(y / x if invert else x / y) for x, y in zip(r[key], d[key])
               if x is not None and y is not None and x > 0 and y > 0]

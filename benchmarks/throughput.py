@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from pooled import INPROC, reference  # benchmarks/ (this script's directory)
+
 DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -73,6 +75,7 @@ class Run(NamedTuple):
     accepted: int  # accepted draft tokens
     iterations: int  # engine steps (vLLM's iteration_tokens histogram, prefill included)
     gaps: tuple = ()  # s from the start, then between successive engine outputs received
+    host: dict | None = None  # --host-timing: role.method -> (ns, calls) during the run
 
 
 # A gap between two engine outputs longer than STALL_FACTOR x the run's median gap (and
@@ -109,16 +112,19 @@ def mark_outputs(llm) -> list:
     return marks
 
 
-def timed_generate(llm, batch, sp, within=None, marks=None) -> Run:
+def timed_generate(llm, batch, sp, within=None, marks=None, timer=None) -> Run:
     """One timed ``generate`` and what vLLM's counters saw during it (all zero drafts
     without speculation).  ``within``: a context manager around the ``generate`` call
     only (the profiler: vLLM's metrics are read outside it); ``marks``: the list of
-    :func:`mark_outputs`, for the run's output gaps."""
+    :func:`mark_outputs`, for the run's output gaps; ``timer``: a
+    :class:`hosttime.HostTimer`, for the run's host time by method."""
     from vllm_ddtree.stats import engine_steps, spec_counts
 
     c0, i0 = spec_counts(llm), engine_steps(llm)
     if marks is not None:
         marks.clear()
+    if timer is not None:
+        timer.reset()
     with within or contextlib.nullcontext():
         t0 = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
@@ -126,7 +132,8 @@ def timed_generate(llm, batch, sp, within=None, marks=None) -> Run:
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     c = spec_counts(llm) - c0
     gaps = tuple(b - a for a, b in zip([t0, *marks], marks)) if marks else ()
-    return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0, gaps)
+    return Run(wall, toks, c.drafts, c.accepted, engine_steps(llm) - i0, gaps,
+               timer.snapshot() if timer is not None else None)
 
 
 def make_engine(args, spec, width):
@@ -179,6 +186,12 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
 
         llm = make_engine(args, spec, width)
         marks = mark_outputs(llm)
+        if args.host_timing:
+            from hosttime import timer_for  # benchmarks/ (this script's directory)
+
+            timer = timer_for(llm)
+        else:
+            timer = None
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         conn.send((True, type(llm.llm_engine.engine_core).__name__))  # ready: core client
         while (cmd := conn.recv()) is not None:
@@ -191,7 +204,7 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
                 continue
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
             if what == "run":
-                conn.send((True, timed_generate(llm, batch, sp, marks=marks)))
+                conn.send((True, timed_generate(llm, batch, sp, marks=marks, timer=timer)))
             else:
                 trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
                 conn.send((True, profile_generate(llm, batch, sp, spec, trace=trace)))
@@ -281,7 +294,20 @@ def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
                 tok_s_runs_trimmed=[r.tokens / w for r, w in zip(runs, trimmed)],
                 median_gap_ms=[round(1000 * statistics.median(r.gaps[1:]), 3)
                                if len(r.gaps) > 1 else None for r in runs],
-                gaps_ms=[[round(1000 * g, 2) for g in r.gaps] for r in runs])
+                gaps_ms=[[round(1000 * g, 2) for g in r.gaps] for r in runs],
+                **_host_rows(runs, iters))
+
+
+def _host_rows(runs: list[Run], iters: int) -> dict:
+    """``host_ms_per_step`` (--host-timing): the top methods' host ms and calls per engine
+    step (steps: the runner's ``execute_model`` calls, else vLLM's iteration count)."""
+    snaps = [r.host for r in runs if r.host]
+    if not snaps:
+        return {}
+    from hosttime import per_step
+
+    steps = sum(s.get("runner.execute_model", (0, 0))[1] for s in snaps) or iters
+    return dict(host_ms_per_step=per_step(snaps, steps))
 
 
 def run_cells(args, engines: list[Engine], bar) -> list[dict]:
@@ -381,12 +407,13 @@ def add_ratios(rows: list[dict], paired: bool = True) -> None:
     ``paired_vs_dflash`` (``paired``: interleaved runs only, where one repeat of every
     engine ran within seconds): the median over repeats of the ratio within a repeat."""
     by = {(r["method"], r["temperature"], r["batch"]): r for r in rows}
+    names = {r["method"] for r in rows}
     for r in rows:
         key = (r["temperature"], r["batch"])
-        for ref in ("ar", "dflash"):
-            b = by.get((ref, *key))
+        for ref in ("ar", "dflash"):  # an @inproc engine against its @inproc reference
+            b = by.get((reference(r["method"], ref, names), *key))
             r[f"vs_{ref}"] = r["tok_s"] / b["tok_s"] if b else None
-        b = by.get(("dflash", *key))
+        b = by.get((reference(r["method"], "dflash", names), *key))
         pairs = [x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])] if b else []
         r["paired_vs_dflash"] = statistics.median(pairs) if (pairs and paired) else None
         # the same two ratios with every run's stalls cut to the cap (trim_stalls)
@@ -424,7 +451,6 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-INPROC = "@inproc"  # method suffix: vLLM's engine core runs inside that engine's process
 
 
 def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
@@ -498,6 +524,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per cell, interleaved across engines; the cell "
                          "reports their totals and the median paired ratio")
+    ap.add_argument("--host-timing", action="store_true",
+                    help="host ms per step by method of the model runner and its parts "
+                         "(benchmarks/hosttime.py); every method needs the @inproc suffix")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile: write each cell's Chrome trace (trace-*.json.gz)")
     ap.add_argument("--profile", action="store_true",
@@ -508,6 +537,8 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
     if args.trace and not args.profile:
         ap.error("--trace needs --profile")
+    if args.host_timing and not all(m.endswith(INPROC) for m in args.methods.split(",")):
+        ap.error("--host-timing needs every method in-process: add @inproc to each")
     out = args.out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
@@ -550,16 +581,21 @@ def main(argv=None) -> int:
                 engine_core=args.engine_core)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
-    print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
+    print(f"\n{'method':<18} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "
           f"{'tok/s/req':>9} {'vs DFlash':>9} {'paired':>6} {'vs AR':>6} {'req/it':>6} "
           f"{'trimmed':>7} {'p.trim':>6} {'stalls':>6} {'stall s':>7}")
     for r in rows:
         f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"{r['method']:<12} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
+        print(f"{r['method']:<18} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
               f"{f(r['vs_dflash']):>9} {f(r['paired_vs_dflash']):>6} {f(r['vs_ar']):>6} "
               f"{r['req_per_engine_step']:>6.1f} {f(r['vs_dflash_trimmed']):>7} "
               f"{f(r['paired_trimmed']):>6} {r['stalls']:>6} {r['stall_s']:>7.3f}")
+    if args.host_timing:
+        print(f"\n{'method':<18} {'T':>3} {'batch':>5}   host ms per step (calls per step)")
+        for r in rows:
+            tops = "; ".join(f"{k} {ms:.3f} x{c:g}" for k, ms, c in r["host_ms_per_step"][:6])
+            print(f"{r['method']:<18} {r['temperature']:>3g} {r['batch']:>5}   {tops}")
     if args.profile:
         print(f"\n{'method':<12} {'T':>3} {'batch':>5} {'wall ms/step':>12} {'GPU busy':>9}"
               "   top kernels (ms per step, launches per step)")

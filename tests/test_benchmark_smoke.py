@@ -78,6 +78,33 @@ def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
     assert "dflash@inproc" in proc.stdout.splitlines()[-1]
 
 
+def test_throughput_host_timing_cpu_smoke(tmp_path):
+    """--host-timing: in-process engines, host ms per step by runner method; the DDTree
+    engine is compared with the in-process DFlash engine."""
+    proc = run_harness(tmp_path, "--methods", "dflash@inproc,ddtree@inproc", "--batches", "1",
+                       "--max-tokens", "8", "--repeats", "2", "--host-timing")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["meta"]["engine_core"] == {"dflash@inproc": "InprocClient",
+                                          "ddtree-30@inproc": "InprocClient"}
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["ddtree-30@inproc"]["vs_dflash"] > 0  # against dflash@inproc
+    for r in rows.values():
+        host = {k: (ms, calls) for k, ms, calls in r["host_ms_per_step"]}
+        ms, calls = host["runner.execute_model"]
+        assert calls == pytest.approx(1.0) and ms > 0  # one call per engine step
+        # inclusive times (vLLM 0.32's CPU runner): the forward inside execute_model, the
+        # drafter inside the runner's propose step
+        assert 0 < host["runner._model_forward"][0] <= ms
+        assert 0 < host["drafter.propose"][0] <= host["runner.propose_draft_token_ids"][0]
+    assert "runner.execute_model" in proc.stdout.splitlines()[-1]
+    # every method must be in-process, or the harness refuses before starting anything
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
+                          "--fixture", "tree_beats_chain", "--methods", "dflash,ddtree@inproc",
+                          "--host-timing", "--out", str(tmp_path / "bad")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "@inproc" in bad.stderr
+
+
 def test_throughput_profile_cpu_smoke(tmp_path):
     """--profile --trace: the host ops with the most self time per step and a gzipped
     Chrome trace per cell (on CPU there are no GPU kernels: GPU busy is 0)."""

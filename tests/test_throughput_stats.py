@@ -129,3 +129,54 @@ def test_pooled_ratios_are_within_repeat_and_can_show_no_difference():
     # ratios scattered around 1: the interval holds 1 (the check can fail: above it did not)
     (s,) = summarize(paired(rows([80.0, 250.0])))
     assert s["ci95"][0] < 1.0 < s["ci95"][1]
+
+
+def test_inproc_engines_are_compared_with_the_inproc_reference():
+    from pooled import paired, reference
+
+    names = {"dflash", "ddtree-15", "dflash@inproc", "ddtree-15@inproc"}
+    assert reference("ddtree-15@inproc", "dflash", names) == "dflash@inproc"
+    assert reference("ddtree-15", "dflash", names) == "dflash"
+    assert reference("ddtree-15@inproc", "dflash", {"dflash"}) == "dflash"  # none in-process
+    row = lambda m, x: dict(method=m, temperature=0.0, batch=1, tok_s_runs=[x])  # noqa: E731
+    ratios = paired([row("dflash", 100.0), row("dflash@inproc", 50.0),
+                     row("ddtree-15", 120.0), row("ddtree-15@inproc", 80.0)])
+    assert ratios[("ddtree-15@inproc", 0.0, 1)] == pytest.approx([1.6])
+    assert ratios[("ddtree-15", 0.0, 1)] == pytest.approx([1.2])
+    assert ("dflash@inproc", 0.0, 1) not in ratios  # its own reference
+
+
+class _Part:
+    def step(self, n):
+        return self.inner(n) + 1
+
+    def inner(self, n):
+        return n * 2
+
+    @property
+    def width(self):
+        return 3
+
+    @staticmethod
+    def helper():
+        return "static"
+
+
+def test_host_timer_counts_calls_and_inclusive_time_per_method():
+    from hosttime import HostTimer, per_step
+
+    part = _Part()
+    timer = HostTimer({"runner": part}, modules=(__name__,))
+    assert sorted(timer.acc) == ["runner.inner", "runner.step"]  # no property/staticmethod
+    assert part.step(4) == 9 and part.width == 3 and part.helper() == "static"
+    snap = timer.snapshot()
+    assert snap["runner.step"][1] == 1 and snap["runner.inner"][1] == 1
+    assert snap["runner.step"][0] >= snap["runner.inner"][0] > 0  # inclusive
+    timer.reset()
+    assert timer.snapshot() == {}
+    for _ in range(3):
+        part.step(1)
+    rows = per_step([timer.snapshot(), timer.snapshot()], steps=3)
+    assert [k for k, _, _ in rows] == ["runner.step", "runner.inner"]
+    assert rows[0][2] == pytest.approx(2.0)  # 2 snapshots x 3 calls over 3 steps
+    assert _Part().step(1) == 3 and "step" not in vars(_Part())  # other instances untouched
