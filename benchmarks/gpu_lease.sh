@@ -56,6 +56,10 @@ source benchmarks/gpu_common.sh
 case $STAGE in d1|e1|d2|x2|p1|p2|p3|serve) need_bundle ;; esac
 install() { install_plugin
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
+shaped_pair() {  # the Qwen3-shaped random target + drafter in $1 (once per machine)
+  [ -f "$1/.done" ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from gpu_random_models import gen_shaped; gen_shaped(Path('$1'))"; }
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
 
 case $STAGE in
@@ -160,10 +164,7 @@ x2)
 p3)  # step cost without profiler, interleaved: the Qwen3-shaped random pair (tau = 1), engines
   # out of process unless a method ends in @inproc (PAIR_METHODS, default below); pooled
   # ratios with benchmarks/pooled.py
-  SH=/tmp/qwen3-2b-random
-  [ -f $SH/.done ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
-from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
+  SH=/tmp/qwen3-2b-random; shaped_pair $SH
   [ "${INSTALL:-0}" = 1 ] && install
   timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target $SH/target \
     --drafter $SH/drafter --methods "${PAIR_METHODS:-dflash,dflash2,ddtree-15}" --budgets 15 \
@@ -176,10 +177,7 @@ from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
 p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
   # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and
   # DDTree-15 (equal width: the fixed overhead), p2 = DDTree-31 and -32 (width, 33rd row)
-  SH=/tmp/qwen3-2b-random
-  [ -f $SH/.done ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
-from gpu_random_models import gen_shaped; gen_shaped(Path('$SH'))"
+  SH=/tmp/qwen3-2b-random; shaped_pair $SH
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
   timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
     --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile --trace \

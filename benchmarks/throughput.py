@@ -414,14 +414,19 @@ def add_ratios(rows: list[dict], paired: bool = True) -> None:
             b = by.get((reference(r["method"], ref, names), *key))
             r[f"vs_{ref}"] = r["tok_s"] / b["tok_s"] if b else None
         b = by.get((reference(r["method"], "dflash", names), *key))
-        pairs = [x / y for x, y in zip(r["tok_s_runs"], b["tok_s_runs"])] if b else []
-        r["paired_vs_dflash"] = statistics.median(pairs) if (pairs and paired) else None
+        r["paired_vs_dflash"] = _median_ratio(r, b, "tok_s_runs") if paired else None
         # the same two ratios with every run's stalls cut to the cap (trim_stalls)
         r["vs_dflash_trimmed"] = (r["tok_s_trimmed"] / b["tok_s_trimmed"]
                                   if b and "tok_s_trimmed" in r else None)
-        pairs = ([x / y for x, y in zip(r["tok_s_runs_trimmed"], b["tok_s_runs_trimmed"])]
-                 if b and "tok_s_runs_trimmed" in r else [])
-        r["paired_trimmed"] = statistics.median(pairs) if (pairs and paired) else None
+        r["paired_trimmed"] = _median_ratio(r, b, "tok_s_runs_trimmed") if paired else None
+
+
+def _median_ratio(r: dict | None, b: dict | None, key: str) -> float | None:
+    """Median over repeats of ``r[key][i] / b[key][i]`` (None without both rows' runs)."""
+    if not (r and b and key in r and key in b):
+        return None
+    pairs = [x / y for x, y in zip(r[key], b[key])]
+    return statistics.median(pairs) if pairs else None
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -449,8 +454,6 @@ def plot(rows: list[dict], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
-
-
 
 
 def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
