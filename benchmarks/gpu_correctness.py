@@ -43,7 +43,7 @@ def engine(target, spec, graphs, budget=None, tp=1):
 
 
 def counters(llm):
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.testing.metrics import spec_counts
 
     c = spec_counts(llm)
     return c.drafts, c.accepted
@@ -92,7 +92,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (8 needs "
                     "VLLM_DDTREE_FIXTURE_HEADS=8)")
     args = ap.parse_args()
-    from vllm_ddtree.fixtures import make_tiny_pair
+    from vllm_ddtree.testing.fixtures import make_tiny_pair
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ serve)  # one GPU: serve check, then the T > 0 test (stage x2 runs both at once 
   train_status
   ;;
 e1)
-  D=vllm_ddtree/assets/smollm2-135m-dflash
+  D=vllm_ddtree/demo/assets/smollm2-135m-dflash
   if [ -f $TRAIN/run.log ]; then  # a drafter trained in stage b (TRAIN_NEW=1): return it, use it
     for _ in $(seq 1 48); do [ -f $TRAIN/drafter/model.safetensors.sha256 ] && break; sleep 5; done
     train_status

@@ -101,7 +101,7 @@ def engine(target, spec=None, width=16, **kw):
 
 
 def drafts(llm):
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.testing.metrics import spec_counts
 
     return spec_counts(llm).drafts
 
@@ -187,7 +187,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     if args.tiny:
-        from vllm_ddtree.fixtures import make_tiny_pair
+        from vllm_ddtree.testing.fixtures import make_tiny_pair
 
         t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
         rows += run("tiny-random", t, d, out, max_id=250, **{"budgets": (15, 60, 240), **kw})

@@ -27,7 +27,7 @@ TOKENS, P_MIN = 4, 1e-3
 
 
 def min_p(a, b):
-    from vllm_ddtree.stats import two_sample_p_value as p_value
+    from vllm_ddtree.testing.metrics import two_sample_p_value as p_value
 
     ps = [p_value([s[i] for s in a], [s[i] for s in b]) for i in range(TOKENS)]
     ps.append(p_value([(s[1], s[2]) for s in a], [(s[1], s[2]) for s in b]))
@@ -52,8 +52,8 @@ def main():
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.fixtures import make_tiny_pair
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.testing.fixtures import make_tiny_pair
+    from vllm_ddtree.testing.metrics import spec_counts
 
     out = Path(args.out)
     target, drafter = make_tiny_pair(out / "fixtures", "spread", dtype)

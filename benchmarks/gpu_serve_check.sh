@@ -11,7 +11,7 @@ set -u
 SERVE=${SERVE:-python3 -m vllm.entrypoints.cli.main serve}
 OUT=${1:-/tmp/serve-check}; B=${2:-60}; EXTRA=("${@:3}"); mkdir -p "$OUT"
 read -r T D < <(python3 -c "
-from vllm_ddtree.fixtures import make_tiny_pair
+from vllm_ddtree.testing.fixtures import make_tiny_pair
 t, d = make_tiny_pair('$OUT/fx', 'tree_beats_chain', 'bfloat16'); print(t, d)")
 serve() {  # port log [extra args...]
   local port=$1 log=$2; shift 2

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_gpu import _time  # noqa: E402  (CUDA-event median timer shared by the benchmarks)
 
-from vllm_ddtree.gpu.state import TreeBuffers
+from vllm_ddtree.gpu.buffers import TreeBuffers
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
-from vllm_ddtree.kernels.verify_rows import KVCompactor, walk_verify
+from vllm_ddtree.gpu.verify_rows import KVCompactor, walk_verify
 from vllm_ddtree.tree import build_tree
 
 V, D, LAYERS, HQ, HKV, HD, PREFIX, BS = 151936, 15, 36, 32, 8, 128, 1024, 16

@@ -118,7 +118,7 @@ def timed_generate(llm, batch, sp, within=None, marks=None, timer=None) -> Run:
     only (the profiler: vLLM's metrics are read outside it); ``marks``: the list of
     :func:`mark_outputs`, for the run's output gaps; ``timer``: a
     :class:`hosttime.HostTimer`, for the run's host time by method."""
-    from vllm_ddtree.stats import engine_steps, spec_counts
+    from vllm_ddtree.testing.metrics import engine_steps, spec_counts
 
     c0, i0 = spec_counts(llm), engine_steps(llm)
     if marks is not None:
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
         args.dtype, args.eager, args.gpu_mem = "float32", True, 0.2
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.fixture:
-        from vllm_ddtree.fixtures import make_tiny_pair
+        from vllm_ddtree.testing.fixtures import make_tiny_pair
 
         args.target, args.drafter = make_tiny_pair(out / "fixtures", args.fixture, args.dtype)
     if not (args.target and args.drafter):

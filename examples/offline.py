@@ -4,7 +4,7 @@
     python examples/offline.py --target Qwen/Qwen3-4B --drafter z-lab/Qwen3-4B-DFlash-b16
 
 With no ``--target`` / ``--drafter`` the tiny random-weight pair of
-``vllm_ddtree.fixtures`` is written to ``$VLLM_DDTREE_CACHE`` (default
+``vllm_ddtree.testing.fixtures`` is written to ``$VLLM_DDTREE_CACHE`` (default
 ``~/.cache/vllm-ddtree/fixtures``) and used: the text is gibberish, but the run shows
 the API. Installing vllm-ddtree is all it takes; vLLM loads the plugin by itself.
 """
@@ -36,7 +36,7 @@ def main() -> None:
     if (args.target is None) != (args.drafter is None):
         p.error("give both --target and --drafter, or neither")
     if args.target is None:
-        from vllm_ddtree.fixtures import make_tiny_pair
+        from vllm_ddtree.testing.fixtures import make_tiny_pair
 
         cache = os.environ.get("VLLM_DDTREE_CACHE",
                                Path.home() / ".cache" / "vllm-ddtree" / "fixtures")
@@ -47,7 +47,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.testing.metrics import spec_counts
 
     llm = LLM(
         model=target,

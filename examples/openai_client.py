@@ -1,7 +1,7 @@
 """Talk to a vLLM OpenAI-compatible server that runs DDTree.
 
 Start a server first, for example with the bundled tiny pair
-(``python -m vllm_ddtree.fixtures /tmp/ddtree-fixtures`` prints the paths)::
+(``python -m vllm_ddtree.testing.fixtures /tmp/ddtree-fixtures`` prints the paths)::
 
     P=/tmp/ddtree-fixtures/random-float32
     python -m vllm.entrypoints.openai.api_server --model $P/target \\

@@ -3,7 +3,7 @@
     python scripts/check_smollm.py                      # vLLM greedy == transformers greedy
     python scripts/check_smollm.py --drafter DIR        # also dflash + ddtree engines
 
-Converts the GGUF first if needed (``vllm_ddtree.smollm``).  Greedy output of vLLM
+Converts the GGUF first if needed (``vllm_ddtree.demo.smollm``).  Greedy output of vLLM
 (float32 by default, so both sides compute in the same precision) must equal
 transformers' greedy output token for token; with ``--drafter`` the script also runs
 the drafter as ``{"method": "dflash"}`` and ``{"method": "ddtree"}`` and prints the
@@ -33,14 +33,14 @@ CHAT = "Write a Python function that checks whether a string is a palindrome."
 
 
 def _counters(llm) -> tuple[int, int, int]:
-    from vllm_ddtree.stats import spec_counts
+    from vllm_ddtree.testing.metrics import spec_counts
 
     return tuple(spec_counts(llm))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="converted folder (default: vllm_ddtree.smollm's)")
+    p.add_argument("--model", help="converted folder (default: vllm_ddtree.demo.smollm's)")
     p.add_argument("--drafter", help="a DFlash drafter folder to run as dflash and ddtree")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-tokens", type=int, default=48)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.smollm import ensure_smollm
+    from vllm_ddtree.demo.smollm import ensure_smollm
 
     model = args.model or str(ensure_smollm())
     from transformers import AutoTokenizer

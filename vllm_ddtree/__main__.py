@@ -25,15 +25,15 @@ class Check:
 
 
 def _check_version() -> Check:
-    from vllm_ddtree import compat, envs
+    from vllm_ddtree import envs, version
 
     try:
-        version = compat.installed_vllm_version()
+        installed = version.installed_vllm_version()
     except Exception as e:  # vLLM missing or broken
         return Check("vLLM", False, f"cannot import vllm: {e!r}")
-    supported = compat.is_supported_version(version)
-    detail = f"{version} ({'supported' if supported else 'NOT supported'}; "
-    detail += f"supported: {compat.supported_versions_text()})"
+    supported = version.is_supported_version(installed)
+    detail = f"{installed} ({'supported' if supported else 'NOT supported'}; "
+    detail += f"supported: {version.supported_versions_text()})"
     if not supported and envs.VLLM_DDTREE_SKIP_VERSION_CHECK:
         detail += " -- VLLM_DDTREE_SKIP_VERSION_CHECK=1, continuing"
         return Check("vLLM", True, detail)
@@ -90,22 +90,22 @@ def _check_method() -> Check:
 
 
 def _check_runner() -> Check:
-    from vllm_ddtree import compat
+    from vllm_ddtree import version
 
     try:
-        return Check("runner", None, compat.runner_path())
+        return Check("runner", None, version.runner_path())
     except Exception as e:
         return Check("runner", None, f"unknown ({e!r})")
 
 
 def _check_accelerator() -> Check:
-    from vllm_ddtree import compat
+    from vllm_ddtree import version
 
     try:
         import torch
     except Exception as e:
         return Check("accelerator", None, f"torch unavailable: {e!r}")
-    triton = "Triton available" if compat.has_triton() else "no Triton"
+    triton = "Triton available" if version.vllm_has_triton() else "no Triton"
     if not torch.cuda.is_available():
         return Check("accelerator", None, f"no CUDA GPU (torch {torch.__version__}); {triton}")
     idx = torch.cuda.current_device()

@@ -14,9 +14,9 @@ User-facing knobs, all inside ``--speculative-config``:
 * ``ddtree_max_depth`` (optional): caps the tree depth D.
 * ``ddtree_adaptive_budget`` (optional, default false): B becomes the largest budget and
   vLLM's per-batch-size draft count (``num_speculative_tokens_per_batch_size``) is set
-  from :mod:`vllm_ddtree.budget`'s cost model (big trees at small batches).  ``"online"``:
+  from :mod:`vllm_ddtree.adaptive.schedule`'s cost model (big trees at small batches).  ``"online"``:
   the same, then re-tuned while serving from the trees' own expected acceptance
-  (:class:`vllm_ddtree.budget.OnlineSchedule`).
+  (:class:`vllm_ddtree.adaptive.online.OnlineSchedule`).
 
 The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After
 validation vLLM sees ``method="dflash"`` with ``num_speculative_tokens=B``;
@@ -66,7 +66,7 @@ EXTRA_FIELDS: tuple[ExtraField, ...] = (
         bool | str,
         False,
         "DDTree only: num_speculative_tokens is the largest tree budget and the budget "
-        "per batch size comes from vllm_ddtree.budget (vLLM's dynamic speculative "
+        "per batch size comes from vllm_ddtree.adaptive.schedule (vLLM's dynamic speculative "
         "decoding schedule); 'online': re-tuned at run time from the trees' own "
         "expected acceptance.",
     ),

@@ -21,7 +21,8 @@ def attach(scheduler) -> None:
     lookup = getattr(scheduler, "dynamic_sd_lookup", None)
     if lookup is None or not is_online(spec):  # (vLLM drops the schedule under DP > 1)
         return
-    from vllm_ddtree.budget import OnlineSchedule, OnlineTuner, StatsChannel
+    from vllm_ddtree.adaptive.channel import StatsChannel
+    from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
 
     budget, depth = ddtree_params(spec)
     policy = OnlineSchedule(budget, depth, len(lookup) - 1)

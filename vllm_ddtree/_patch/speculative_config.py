@@ -143,7 +143,7 @@ def _make_post_init(original: Any) -> Any:
         depth = ddcfg.resolve_depth(budget, block_size, max_depth)
         setattr(self, ddcfg.DEPTH_FIELD, depth)
         if adaptive:
-            from vllm_ddtree.budget import budget_schedule, capture_schedule
+            from vllm_ddtree.adaptive.schedule import budget_schedule, capture_schedule
 
             make = capture_schedule if adaptive == ddcfg.ONLINE else budget_schedule
             self.num_speculative_tokens_per_batch_size = make(budget, depth)

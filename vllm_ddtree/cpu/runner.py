@@ -23,15 +23,15 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_ddtree.compat import get_logger
+from vllm.logger import init_logger
 from vllm_ddtree.config import is_ddtree
 from vllm_ddtree.cpu import active
-from vllm_ddtree.proposer.dflash_tree import DDTreeProposer, min_p_of, tree_eligible
-from vllm_ddtree.proposer.state import VerifyRequest, VerifyStep, walk_lists
+from vllm_ddtree.cpu.proposer import DDTreeProposer, min_p_of, tree_eligible
+from vllm_ddtree.cpu.tree_store import VerifyRequest, VerifyStep, walk_lists
 from vllm_ddtree.tree.sampling import keyed_generator, sample_rows
 
 
-_logger = get_logger(__name__)
+_logger = init_logger(__name__)
 _logged: set[str] = set()
 
 

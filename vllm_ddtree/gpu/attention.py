@@ -26,7 +26,7 @@ from vllm.v1.attention.backends import flash_attn as fa
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from vllm_ddtree.gpu import state as state_mod
+from vllm_ddtree.gpu import buffers as state_mod
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from vllm_ddtree.compat import get_logger
-from vllm_ddtree.gpu import state as state_mod
-from vllm_ddtree.gpu.state import needs_chain
+from vllm.logger import init_logger
+from vllm_ddtree.gpu import buffers as state_mod
+from vllm_ddtree.gpu.buffers import needs_chain
 
-_logger = get_logger(__name__)
+_logger = init_logger(__name__)
 _logged: set[str] = set()
 # vLLM's kernel warm-up requests (``v1/worker/gpu/warmup.py``: ids ``_warmup_{i}_`` with
 # ``SamplingParams.for_sampler_warmup()``, penalties included; 0.26 and 0.32 checked):

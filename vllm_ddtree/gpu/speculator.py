@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.compat import get_logger, log_nonfinite_drafts, online_publisher
+from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.config import ddtree_params
-from vllm_ddtree.gpu import state as state_mod
-from vllm_ddtree.gpu.state import TreeBuffers
-from vllm_ddtree.kernels.verify_rows import KVCompactor
+from vllm_ddtree.drafter_faults import NonfiniteDraftLog
+from vllm_ddtree.gpu import buffers as state_mod
+from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.verify_rows import KVCompactor
 from vllm_ddtree.tree import build_tree
 
-_logger = get_logger(__name__)
+_logger = init_logger(__name__)
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -52,9 +54,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
         # copy into pinned memory, read one step later (no sync)
         self._nonfinite_host = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self._nonfinite_logged = 0
+        self._nonfinite_log = NonfiniteDraftLog()
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
-        self.online = online_publisher(vllm_config, device, self.max_num_reqs)
+        self.online = make_publisher(vllm_config, device, self.max_num_reqs)
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """vLLM's graph manager reads a per-batch-size schedule as "this pass has
@@ -154,7 +156,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _report_nonfinite(self) -> None:
         seen = int(self._nonfinite_host[0])  # written by an earlier step's async copy
-        self._nonfinite_logged = log_nonfinite_drafts(self._nonfinite_logged, seen)
+        self._nonfinite_log.report(seen)
         self._nonfinite_host.copy_(self.tree.nonfinite, non_blocking=True)
 
     def _compact(self, acc, input_batch, slot_mappings) -> None:

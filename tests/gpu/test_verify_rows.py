@@ -1,0 +1,129 @@
+"""Per-step verify-row metadata (ancestor bits, tree RoPE positions) and KV compaction on
+a fake paged cache: Triton kernels (TRITON_INTERPRET=1 on CPU) against torch references,
+and the references against first principles."""
+
+import os
+
+import pytest
+import torch
+
+from vllm_ddtree.gpu.verify_rows import (KVCompactor, causal_words, compact_kv_torch,
+                                             fill_tree_rows, fill_tree_rows_torch)
+from vllm_ddtree.tree import build_tree, tree_layout
+
+needs_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_causal_words():
+    w = causal_words(torch.tensor([0, 30, 31, 32, 40]), 2)
+    full = -1
+    assert w.tolist() == [[1, 0], [2**31 - 1, 0], [full, 0], [full, 1], [full, 2**9 - 1]]
+
+
+def _batch(seed=0, B=40, D=4, S=6):
+    """Per-state trees for S request slots, then a batch mixing: a full tree, a tree
+    truncated to 7 drafts, a prefill chunk of 5 rows, a draft-less decode, a long prefill
+    chunk (> W rows: untouched), in a shuffled state order."""
+    g = torch.Generator().manual_seed(seed)
+    tree = build_tree(torch.randn(S, D, 50, generator=g), B)
+    lay = tree_layout(tree, torch.zeros(S, dtype=torch.long))
+    W = B + 1
+    q_lens = [W, 8, 5, 1, W + 9]
+    n_logits = [W, 8, 1, 1, 1]
+    idx = torch.tensor([4, 0, 2, 5, 1], dtype=torch.int32)
+    qs = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(n_logits).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(qs[-1])
+    pos = torch.zeros(T, dtype=torch.int64)
+    for b, c in enumerate([100, 7, 30, 55, 0]):
+        pos[qs[b]:qs[b + 1]] = c + torch.arange(q_lens[b])
+    return dict(query_start=qs, cu_num_logits=cu, idx_mapping=idx, positions=pos,
+                bits_by_state=lay.ancestor_bits.contiguous(),
+                depth_by_state=lay.depths.contiguous()), lay, q_lens, T
+
+
+def test_fill_reference_semantics():
+    args, lay, q_lens, T = _batch()
+    NW = lay.ancestor_bits.shape[2]
+    bits = torch.full((T, NW), 123, dtype=torch.int32)
+    rope = args["positions"].clone()
+    fill_tree_rows_torch(**args, out_bits=bits, out_positions=rope, num_reqs=5)
+    qs = args["query_start"].tolist()
+    # request 0: state 4's full tree; positions root + depth
+    assert torch.equal(bits[0:qs[1]], lay.ancestor_bits[4])
+    assert torch.equal(rope[0:qs[1]], 100 + lay.depths[4])
+    # request 1: first 8 rows of state 0's tree (a valid prefix: parents come first)
+    assert torch.equal(bits[qs[1]:qs[2]], lay.ancestor_bits[0, :8])
+    assert torch.equal(rope[qs[1]:qs[2]], 7 + lay.depths[0, :8])
+    # requests 2, 3: causal rows, linear positions
+    assert torch.equal(bits[qs[2]:qs[3]], causal_words(torch.arange(5), NW))
+    assert torch.equal(bits[qs[3]:qs[4]], causal_words(torch.arange(1), NW))
+    assert torch.equal(rope[qs[2]:qs[4]], args["positions"][qs[2]:qs[4]])
+    # request 4 (longer than a tree): untouched
+    assert torch.all(bits[qs[4]:] == 123)
+
+
+@needs_interp
+def test_fill_triton_matches_reference():
+    args, lay, q_lens, T = _batch(1)
+    NW = lay.ancestor_bits.shape[2]
+    outs = []
+    for impl in ("torch", "triton"):
+        a = {k: v.to(DEV) for k, v in args.items()}
+        bits = torch.full((T, NW), 123, dtype=torch.int32, device=DEV)
+        rope = a["positions"].clone()
+        fill_tree_rows(**a, out_bits=bits, out_positions=rope, num_reqs=5, impl=impl)
+        outs.append((bits.cpu(), rope.cpu()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def _paged(seed, L=3, nblocks=12, bs=16, H=2, width=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    # vLLM's FlashAttention cache: logical [blocks, H, bs, 2*hd] stored as [blocks, bs, H, 2*hd]
+    raws = [torch.randn(nblocks, bs, H, width, generator=g).to(dtype) for _ in range(L)]
+    return [r.permute(0, 2, 1, 3).transpose(1, 2) for r in raws]  # views [blocks, bs, H, w]
+
+
+def _plan():
+    # two tree requests (8 and 6 rows) and a 1-row request; slots scattered over blocks
+    slots = torch.tensor([17, 18, 19, 20, 21, 22, 23, 24, 100, 101, 102, 103, 104, 105, 60])
+    li = torch.arange(15)
+    cu = torch.tensor([0, 8, 14, 15], dtype=torch.int32)
+    path = torch.tensor([[0, 2, 3, 7, -1], [0, 1, 4, -1, -1], [0, -1, -1, -1, -1]])
+    nacc = torch.tensor([4, 3, 1])
+    return slots, li, cu, path, nacc
+
+
+def test_compaction_reference_semantics():
+    caches = _paged(0)
+    before = [c.clone() for c in caches]
+    slots, li, cu, path, nacc = _plan()
+    compact_kv_torch(caches, slots, li, cu, path, nacc, 3)
+
+    def row(c, s):
+        return c[s // 16, s % 16]
+
+    for c, b in zip(caches, before):
+        for i, src in enumerate([17, 19, 20, 24]):  # request 0: rows 0,2,3,7 -> 0..3
+            assert torch.equal(row(c, 17 + i), row(b, src))
+        for i, src in enumerate([100, 101, 104]):
+            assert torch.equal(row(c, 100 + i), row(b, src))
+        for s in [21, 22, 23, 24, 103, 104, 105, 60]:  # past the path: untouched
+            assert torch.equal(row(c, s), row(b, s))
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compaction_triton_matches_reference(dtype):
+    ref = _paged(1, dtype=dtype)
+    got = [c.clone().to(DEV) for c in ref]
+    got = [g for g in got]
+    slots, li, cu, path, nacc = _plan()
+    compact_kv_torch(ref, slots, li, cu, path, nacc, 3)
+    comp = KVCompactor(got, impl="triton")
+    comp(slots.to(DEV), li.to(DEV), cu.to(DEV), path.to(DEV), nacc.to(DEV), 3)
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g.cpu())

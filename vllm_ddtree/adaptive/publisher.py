@@ -1,0 +1,104 @@
+"""Worker side of ``ddtree_adaptive_budget: "online"`` (policy: :mod:`vllm_ddtree.adaptive.online`).
+
+Per step, each request's expected accepted draft tokens for every candidate budget ``n``
+(``E_n``: the sum of its best ``n`` nodes' path probabilities under the drafter; the tree
+is best-first, so those are its first ``n`` nodes) is written by :meth:`store`, inside
+vLLM's CUDA graph on the GPU.  :meth:`publish`, once per step outside the graph, sums
+the batch's rows into pinned memory with an asynchronous copy and folds the previous
+step's copy into the shared-memory channel once its event has completed: no
+device-to-host sync.  Only tensor-parallel rank 0 publishes (every rank builds the same
+trees).  Imports vLLM only in :func:`make_publisher`, lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_ddtree.adaptive.channel import StatsChannel
+from vllm_ddtree.adaptive.schedule import candidates
+
+ATTACH_TRIES = 64  # steps to wait for the scheduler's channel before giving up
+
+
+class ExpectationPublisher:
+    def __init__(self, max_budget: int, depth: int, max_reqs: int,
+                 device: torch.device | str, engine_pid: int | None):
+        self.budgets = candidates(max_budget, depth)
+        device = torch.device(device)
+        self.idx = torch.tensor([b - 1 for b in self.budgets], device=device)
+        self.rows = torch.zeros(max_reqs, len(self.budgets), dtype=torch.float32,
+                                device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(len(self.budgets), dtype=torch.float32, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.name = None if engine_pid is None else StatsChannel.name_for(engine_pid)
+        self.channel: StatsChannel | None = None
+        self._pending = 0
+        self._tries = 0
+
+    def store(self, scores: torch.Tensor) -> None:
+        """``scores``: ``[R, >= max budget]`` node log-probabilities, best-first (rows of
+        :class:`~vllm_ddtree.tree.DraftTree`).  Graph-capturable."""
+        n = scores.shape[0]
+        self.rows[:n].copy_(scores.exp().cumsum(dim=1).index_select(1, self.idx))
+
+    def publish(self, num_reqs: int) -> None:
+        if self.name is None:
+            return
+        if self._pending and (self.event is None or self.event.query()):
+            channel = self._attach()
+            if channel is not None:
+                channel.add(self._pending, self.host.tolist())
+            self._pending = 0
+        if not self._pending and num_reqs > 0:
+            self.host.copy_(self.rows[:num_reqs].sum(dim=0), non_blocking=True)
+            if self.event is not None:
+                self.event.record()
+            self._pending = num_reqs
+
+    def _attach(self) -> StatsChannel | None:
+        if self.channel is None and self._tries < ATTACH_TRIES:
+            try:
+                self.channel = StatsChannel(self.name, len(self.budgets), create=False)
+            except FileNotFoundError:
+                self._tries += 1
+                if self._tries == ATTACH_TRIES:
+                    self.name = None  # no scheduler side: stop publishing
+        return self.channel
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+def make_publisher(vllm_config: Any, device: torch.device | str,
+                   max_reqs: int) -> ExpectationPublisher | None:
+    """The worker's :class:`~vllm_ddtree.adaptive.publisher.ExpectationPublisher` for
+    ``ddtree_adaptive_budget: "online"`` (else None).  Publishes on tensor-parallel rank 0
+    only, to the scheduler's process: this process with vLLM's in-process executor
+    (``uni``), the parent with its multiprocess one (``mp``); other executors (Ray) get
+    the static schedule, with a warning."""
+    from vllm_ddtree.config import ddtree_params, is_online
+
+    spec = vllm_config.speculative_config
+    if not is_online(spec):
+        return None
+    import os
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.logger import init_logger
+
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    pid = {"uni": os.getpid(), "mp": os.getppid()}.get(backend) \
+        if isinstance(backend, str) else None
+    if get_tensor_model_parallel_rank() != 0:
+        pid = None  # every rank builds the same trees: rank 0 speaks for all
+    elif pid is None:
+        init_logger(__name__).warning(
+            "vllm-ddtree: ddtree_adaptive_budget='online' needs vLLM's 'uni' or 'mp' "
+            "executor (got %r): the budget schedule stays static.", backend)
+    budget, depth = ddtree_params(spec)
+    return ExpectationPublisher(budget, depth, max_reqs, device, pid)
