@@ -139,7 +139,7 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
             m = torch.nn.functional.pad(m, (0, -9000 % chunk), value=float("-inf"))
             maxima = m.view(-1, chunk).max(dim=-1).values
             assert (maxima < maxima.topk(k).values[-1]).any()
-    vals, idx, lse = topk_lse(x, k, chunk=None if prune else 1024, prune=prune)
+    vals, idx, lse = topk_lse(x, k, chunk=None if prune else 1024, pruned=prune)
     ref = sanitized_logits(x.cpu())
     rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)
     assert torch.equal(idx.cpu(), ri[:, :k])

@@ -120,10 +120,11 @@ def test_budget_larger_than_tree():
     assert tree.num_nodes.tolist() == [2 + 4 + 8] * 2  # every prefix
 
 
-def test_expected_accepted_is_path_probability_sum():
+def test_path_probabilities_sum_to_depth():
     x = torch.randn(1, 3, 5)
     tree = build_tree(x, 500)  # the whole tree: sum over all prefixes = D
-    assert math.isclose(float(tree.expected_accepted()[0]), 3.0, rel_tol=1e-5)
+    expected_accepted = tree.scores.exp().sum(dim=1)  # per request, float32
+    assert math.isclose(float(expected_accepted[0]), 3.0, rel_tol=1e-5)
 
 
 _ON_GPU = torch.cuda.is_available()
@@ -174,3 +175,23 @@ def test_cpu_topk_equals_stable_sort_prefix():
         want_v, want_i = torch.sort(x, dim=-1, descending=True, stable=True)
         got_v, got_i = _topk_exact_ties(x, k)
         assert torch.equal(got_v, want_v[..., :k]) and torch.equal(got_i, want_i[..., :k])
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
+                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("topk_pruned,k", [(False, 5), (False, 16), (True, 5), (True, 16),
+                                           (True, 40)])
+def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
+    """The per-depth candidates of the CUDA path (the Triton top-k, in the variant that
+    build_tree passes down) equal the CPU path's, ties and NaN/inf included."""
+    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+
+    dev = "cuda" if _ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randint(0, 4, (2, 3, 3000), generator=gen).float()  # heavy ties
+    x[0, 1, 17] = float("nan")
+    x[1, 2, 2999] = float("inf")
+    want_lp, want_tok = depth_candidates(x, k)  # CPU: exact top-k with stable ties
+    got_lp, got_tok = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned)
+    assert torch.equal(got_tok.cpu(), want_tok)
+    torch.testing.assert_close(got_lp.cpu(), want_lp, atol=1e-5, rtol=1e-5)

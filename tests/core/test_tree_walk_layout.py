@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from vllm_ddtree.tree import build_tree, compaction_plan, tree_layout, walk_tree
-from vllm_ddtree.tree.layout import apply_compaction
 from vllm_ddtree.tree.reference import walk_tree_ref
 
 
@@ -85,6 +84,15 @@ def test_layout_positions_and_ancestors():
                 assert int(lay.positions[r, q]) == int(root[r]) + depth
 
 
+def _apply_compaction(cache, row_base, plan):
+    """Compact a flat ``[num_slots, ...]`` cache whose verify row ``i`` of request ``r``
+    lives at ``row_base[r] + i``, gathering every source before writing."""
+    base = row_base.to(torch.int64).unsqueeze(1)
+    src = (base + plan.src_rows)[plan.moves]
+    dst = (base + plan.dst_rows)[plan.moves]
+    cache[dst] = cache[src]
+
+
 def test_compaction_plan_and_apply():
     tree, gen = _tree(2)
     tgt = _targets_following_branches(tree, gen, p_follow=1.0)
@@ -94,7 +102,7 @@ def test_compaction_plan_and_apply():
     base = torch.arange(R) * (W + 1) + 3
     cache = torch.arange(R * (W + 1) + 3).float().unsqueeze(1).repeat(1, 2)
     before = cache.clone()
-    apply_compaction(cache, base, plan)
+    _apply_compaction(cache, base, plan)
     for r in range(R):
         k = int(num[r])
         rows = acc[r, :k]

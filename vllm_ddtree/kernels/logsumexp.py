@@ -3,20 +3,17 @@
 NaN counts as -inf and +inf as the dtype's largest finite value.  With
 ``sanitize_inplace`` the kernel also rewrites those (rare) entries in ``x`` itself,
 with a masked store, so ``torch.topk`` can then run on ``x`` directly.  The reference is
-``torch.logsumexp`` over :func:`vllm_ddtree.tree.build.sanitized_logits`.
+``torch.logsumexp`` over the sanitized float32 logits (the tree build's
+``sanitized_logits``).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _lse_kernel(X, LSE, V, stride, big, SANITIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -46,8 +43,13 @@ if triton is not None:
         tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), mx_safe + tl.log(total)))
 
 
-def logsumexp_sanitize(x: torch.Tensor, sanitize_inplace: bool = False) -> torch.Tensor:
-    """``x``: ``[rows, V]`` (last dim contiguous).  Returns float32 ``[rows]``."""
+def logsumexp_sanitize(
+    x: torch.Tensor,  # [rows, V] logits, last dim contiguous
+    sanitize_inplace: bool = False,
+) -> torch.Tensor:
+    """Sanitized log-sum-exp of each row of ``x``: float32 ``[rows]``.  With
+    ``sanitize_inplace``, NaN/+inf entries of ``x`` are overwritten by their sanitized
+    values."""
     rows, V = x.shape
     assert x.stride(1) == 1
     lse = torch.empty(rows, dtype=torch.float32, device=x.device)

@@ -6,46 +6,43 @@ the dtype's largest finite value) and extracts the chunk's top ``k`` as unique i
 token id by construction.  A small ``torch.topk`` over the ``chunks * k`` keys then gives
 the row's top ``k`` exactly.  Reference: ``depth_candidates`` on CPU (a stable sort).
 
-Two variants (``PRUNE``):
+Two variants (``pruned``):
 
 * one pass: each program also writes its chunk's max and sum of exponentials
   (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
   151936-token vocabulary this was the DDTree step's largest own kernel on the H200
   (0.78 ms per step for 480 rows, k = 15; docs/benchmarks/performance.md section 6.1):
   compute-bound on the ``k`` reductions.
-* pruned (the default since session 8: twice as fast at 32 x 15 rows on the H200,
-  docs/benchmarks/performance.md section 7.1): a first kernel writes the chunk maxima
-  and sums; ``t`` = the ``k``-th largest chunk maximum of the row is a lower bound on the
-  row's ``k``-th largest value (the top ``k`` chunk maxima are ``k`` distinct entries
-  >= ``t``), so only entries >= ``t`` can be in the top ``k``.  The second kernel skips
-  chunks whose maximum is below ``t`` and runs one reduction per entry >= ``t`` (at most
-  ``k``).  Smaller chunks for larger ``k`` keep at least ``k`` chunks per row where the
-  vocabulary allows.  Same result bit for bit.
+* pruned (the default: it halves the tree build at 32 requests x budget 15 on the H200,
+  1.36 -> 0.72 ms, docs/benchmarks/performance.md section 7.1): a first kernel writes the
+  chunk maxima and sums; ``t`` = the ``k``-th largest chunk maximum of the row is a lower
+  bound on the row's ``k``-th largest value (the top ``k`` chunk maxima are ``k``
+  distinct entries >= ``t``), so only entries >= ``t`` can be in the top ``k``.  The
+  second kernel skips chunks whose maximum is below ``t`` and runs one reduction per
+  entry >= ``t`` (at most ``k``).  Smaller chunks for larger ``k`` keep at least ``k``
+  chunks per row where the vocabulary allows.  Same result bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from vllm_ddtree.kernels.build_tables import unpack_scores, unpack_ties
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
-MAX_K = 16  # one pass: k reductions over each chunk, measured faster than torch.topk
-# only up to k = 16 on H200 (docs/benchmarks/core-gpu.md)
-PRUNE = True  # the pruned variant (measured faster on the H200: performance.md 7)
-PRUNE_MAX_K = 64
-_LOW32 = (1 << 32) - 1
+# Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
+# its k reductions per chunk are faster than torch.topk only up to k = 16 on the H200
+# (k = 32 made the build 1.35 -> 2.2 ms at 32 requests; docs/benchmarks/performance.md).
+ONE_PASS_MAX_K = 16
+PRUNED_MAX_K = 64
 
 
-def max_k() -> int:
-    """Largest ``k`` :func:`topk_lse` serves with the current settings."""
-    return PRUNE_MAX_K if PRUNE else MAX_K
+def topk_lse_max_k(pruned: bool) -> int:
+    """Largest ``k`` :func:`topk_lse` serves in the given variant."""
+    return PRUNED_MAX_K if pruned else ONE_PASS_MAX_K
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _load_sanitized(X, row, c, stride, V, big, CHUNK: tl.constexpr):
@@ -111,37 +108,40 @@ def _prune_chunk(V: int, k: int) -> int:
     return c
 
 
-def topk_lse(x: torch.Tensor, k: int, chunk: int | None = None,
-             prune: bool | None = None) -> tuple[torch.Tensor, ...]:
-    """``x [rows, V]`` -> ``(values [rows, k] float32 sanitized, token ids [rows, k],
-    lse [rows] float32)``, ranked by value descending, ties by lower id.  ``prune``:
-    the pruned variant (module docstring; default ``PRUNE``).  No host sync."""
+def topk_lse(
+    x: torch.Tensor,  # [rows, V] logits, last dim contiguous
+    k: int,
+    chunk: int | None = None,
+    pruned: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the ``k`` best sanitized values and their token ids, and the log-sum-exp.
+
+    Returns ``(values [rows, k] float32, token_ids [rows, k] int64, lse [rows]
+    float32)``, ranked by value descending, ties by lower id.  ``pruned``: the variant
+    (module docstring); ``k <= topk_lse_max_k(pruned)``.  ``chunk``: vocabulary entries
+    per program (default: the variant's).  No host sync.
+    """
     rows, V = x.shape
-    prune = PRUNE if prune is None else prune
-    assert x.stride(1) == 1 and 0 < k <= min(PRUNE_MAX_K if prune else MAX_K, V)
-    chunk = chunk or (_prune_chunk(V, k) if prune else 4096)
+    assert x.stride(1) == 1 and 0 < k <= min(topk_lse_max_k(pruned), V)
+    chunk = chunk or (_prune_chunk(V, k) if pruned else 4096)
     n_chunks = triton.cdiv(V, chunk)
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=x.device)
-    m = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
-    s = torch.empty_like(m)
+    chunk_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
+    chunk_sum = torch.empty_like(chunk_max)  # sum of exp(x - chunk max)
     big = min(float(torch.finfo(x.dtype).max), float(torch.finfo(torch.float32).max))
-    t = m  # unread unless pruned
+    bound = chunk_max  # [rows] when pruned; unread otherwise
     if rows:
         grid = (rows, n_chunks)
-        if prune:
-            _chunk_max_sum_kernel[grid](x, m, s, V, x.stride(0), n_chunks, big, CHUNK=chunk,
-                                        num_warps=8)
+        if pruned:
+            _chunk_max_sum_kernel[grid](x, chunk_max, chunk_sum, V, x.stride(0), n_chunks,
+                                        big, CHUNK=chunk, num_warps=8)
             if n_chunks >= k:
-                t = torch.topk(m, k, dim=-1).values[:, k - 1].contiguous()
+                bound = torch.topk(chunk_max, k, dim=-1).values[:, k - 1].contiguous()
             else:  # fewer chunks than k: no bound
-                t = torch.full((rows,), float("-inf"), device=x.device)
+                bound = torch.full((rows,), float("-inf"), device=x.device)
         _chunk_topk_kernel[grid](
-            x, keys, m, s, t, V, x.stride(0), n_chunks, big,
-            K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, PRUNED=prune, num_warps=8)
+            x, keys, chunk_max, chunk_sum, bound, V, x.stride(0), n_chunks, big,
+            K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, PRUNED=pruned, num_warps=8)
     top = torch.topk(keys, k, dim=-1).values  # unique keys: exact, sorted best first
-    idx = _LOW32 - (top & _LOW32)
-    bits = top >> 32
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    vals = bits.to(torch.int32).view(torch.float32)
-    lse = torch.logsumexp(m + torch.log(s), dim=-1)
-    return vals, idx, lse
+    lse = torch.logsumexp(chunk_max + torch.log(chunk_sum), dim=-1)
+    return unpack_scores(top), unpack_ties(top), lse

@@ -20,26 +20,37 @@ import os
 
 import torch
 
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+
 # The Triton interpreter computes bf16 dot products wrongly (numpy has no bf16), so under
 # TRITON_INTERPRET=1 bf16 tiles are upcast to float32 first.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-try:  # Triton is optional: the torch reference serves CPU-only installs.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only without triton
-    triton = None
 
-
-def _gather_kv(cache: torch.Tensor, block_table_r: torch.Tensor, n: int) -> torch.Tensor:
+def _gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, hd]
+    block_table_r: torch.Tensor,  # [max_blocks] one request's blocks
+    n: int,
+) -> torch.Tensor:
+    """The request's first ``n`` logical cache entries."""
     bs = cache.shape[1]
     pos = torch.arange(n, device=cache.device)
     blocks = block_table_r.long()[pos // bs]
     return cache[blocks, pos % bs]  # [n, Hkv, hd]
 
 
-def tree_attention_torch(q, k_cache, v_cache, block_table, query_start, prefix_lens,
-                         ancestor_bits, scale=None, include_prefix=True, query_end=None):
+def tree_attention_torch(
+    q: torch.Tensor,  # [T, Hq, hd]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, hd]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, hd]
+    block_table: torch.Tensor,  # [R, max_blocks] block ids
+    query_start: torch.Tensor,  # [R + 1] first query row per request
+    prefix_lens: torch.Tensor,  # [R] context tokens in the cache
+    ancestor_bits: torch.Tensor,  # [T, words] int32: bit i = verify row i is visible
+    scale: float | None = None,
+    include_prefix: bool = True,
+    query_end: torch.Tensor | None = None,  # [R] end of each request's rows
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: dense masked softmax attention in float32, one request at a time.
     ``query_end`` as in :func:`tree_attention_triton` (rows outside stay zero)."""
     T, Hq, hd = q.shape
@@ -64,22 +75,28 @@ def tree_attention_torch(q, k_cache, v_cache, block_table, query_start, prefix_l
         vis = torch.cat([torch.full((n, p), include_prefix, device=q.device), tree_vis], 1)
         s = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
         s = s.masked_fill(~vis.unsqueeze(0), float("-inf"))
-        l = torch.logsumexp(s, dim=-1)  # [Hq, n]
-        w = torch.exp(s - l.unsqueeze(-1))
+        row_lse = torch.logsumexp(s, dim=-1)  # [Hq, n]
+        w = torch.exp(s - row_lse.unsqueeze(-1))
         out[a:b] = torch.einsum("hqk,khd->qhd", w, v).to(q.dtype)
-        lse[a:b] = l.transpose(0, 1)
+        lse[a:b] = row_lse.transpose(0, 1)
     return out, lse
 
 
-def merge_attn_states(o1, lse1, o2, lse2):
-    """Combine two attention results over disjoint key sets (log-sum-exp weighted)."""
+def merge_attn_states(
+    o1: torch.Tensor,  # [T, Hq, hd]
+    lse1: torch.Tensor,  # [T, Hq] float32
+    o2: torch.Tensor,  # [T, Hq, hd]
+    lse2: torch.Tensor,  # [T, Hq] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets (log-sum-exp weighted):
+    ``(out [T, Hq, hd] in o1's dtype, lse [T, Hq] float32)``."""
     lse = torch.logaddexp(lse1, lse2)
     w1 = torch.exp(lse1 - lse).nan_to_num(0.0).unsqueeze(-1)
     w2 = torch.exp(lse2 - lse).nan_to_num(0.0).unsqueeze(-1)
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _tree_attn_kernel(
@@ -176,10 +193,25 @@ if triton is not None:
             tl.store(LSE + (q0 + offs_m) * s_lt + h * s_lh, lse, mask=m_ok)
 
 
-def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_lens,
-                          ancestor_bits, scale=None, include_prefix=True, max_rows=None,
-                          block_m=16, block_n=32, *, query_end=None, out=None,
-                          prefix_out_lse=None, return_lse=True):
+def tree_attention_triton(
+    q: torch.Tensor,  # [T, Hq, hd]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, hd]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, hd]
+    block_table: torch.Tensor,  # [R, max_blocks] block ids
+    query_start: torch.Tensor,  # [R + 1] first query row per request
+    prefix_lens: torch.Tensor,  # [R] context tokens in the cache
+    ancestor_bits: torch.Tensor,  # [T, words] int32: bit i = verify row i is visible
+    scale: float | None = None,
+    include_prefix: bool = True,
+    max_rows: int | None = None,
+    block_m: int = 16,
+    block_n: int = 32,
+    *,
+    query_end: torch.Tensor | None = None,  # [R] end of each request's rows
+    out: torch.Tensor | None = None,  # [T, Hq, hd]
+    prefix_out_lse: torch.Tensor | None = None,  # [Hq, T] float32
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton kernel; same contract as :func:`tree_attention_torch`, plus:
 
     * ``max_rows`` (the widest request's row count, e.g. ``1 + budget``) sizes the grid
@@ -192,7 +224,7 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_
       (use with ``include_prefix=False``).  A non-finite entry means "no prefix keys".
     * ``return_lse=False`` skips writing the log-sum-exp (returns ``(out, None)``).
     """
-    if triton is None:
+    if not HAS_TRITON:
         raise RuntimeError("tree_attention_triton needs triton")
     T, Hq, hd = q.shape
     R = block_table.shape[0]
@@ -226,7 +258,8 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, query_start, prefix_
         prefix_out_lse.stride(1) if merge else 0, prefix_out_lse.stride(0) if merge else 0,
         GROUP=Hq // Hkv, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
         BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
-        IEEE=q.dtype == torch.float32 or _INTERPRET, UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
+        IEEE=q.dtype == torch.float32 or _INTERPRET,
+        UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         HAS_QE=query_end is not None, MERGE=merge, STORE_LSE=lse is not None,
     )
     return out, lse

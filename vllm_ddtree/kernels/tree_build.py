@@ -1,32 +1,32 @@
 """Triton kernel for the tree build: one program per request does every depth.
 
-Same algorithm and same packed keys as :mod:`vllm_ddtree.tree.build` (the torch
-reference it is tested against): per depth, the ``~B ln B`` candidate (parent, rank)
-pairs are scored, packed into int64 keys and sorted in registers (``tl.sort``); the
-global top-``B`` is one more sort over the ``D`` per-depth sets.  Replaces a few hundred
-small torch kernels with one launch.  Used for widths whose sorts fit one program.
+Same algorithm, pair tables and packed keys (:mod:`.build_tables`) as the torch tree
+build it is tested against (``build_tree(impl="torch")``): per depth, the ``~B ln B``
+candidate (parent, rank) pairs are scored, packed into int64 keys and sorted in registers
+(``tl.sort``); the global top-``B`` is one more sort over the ``D`` per-depth sets.
+Replaces a few hundred small torch kernels with one launch.  Used for widths whose sorts
+fit one program.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from vllm_ddtree.kernels.build_tables import (
+    cached_int64_tensor,
+    pair_layout,
+    pair_tensors,
+)
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
 MAX_SORT = 4096  # largest in-register sort per program
-
-_LOW32 = (1 << 32) - 1
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _pack(score, tie):
@@ -105,48 +105,56 @@ if triton is not None:
         tl.store(OUT_SCORE + out, tl.where(keep, _score(nkey), float("-inf")), mask=sel)
 
 
-def _pair_tables(D: int, K: int, W: int, device) -> tuple:
-    """Pair tables of the shared layout (``pair_layout``) as int32 tensors, the sort width
-    and the total number of nodes over all depths."""
-    from vllm_ddtree.tree.build import _static_tensor, pair_layout, pair_tensors
+def _pair_tables(
+    max_depth: int, k: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """The shared pair tables (:func:`pair_layout`) as the kernel reads them: parent
+    positions and token ranks ``[P]`` int32, pairs per depth ``[max_depth]`` int64; then
+    the sort width (a power of two) and the total number of nodes over all depths."""
+    parent_pos, ranks = pair_tensors(max_depth, k, width, str(device), torch.int32)
+    num_pairs = pair_layout(max_depth, k, width)[2]
+    sizes = [min(width, k)] + [min(width, n) for n in num_pairs[1:]]
+    # cached: nothing is copied to the device while a CUDA graph is captured
+    num_pairs_t = cached_int64_tensor(tuple(num_pairs), str(device))
+    return parent_pos, ranks, num_pairs_t, _pow2(max(1, max(num_pairs))), sum(sizes)
 
-    pi, pr = pair_tensors(D, K, W, str(device), torch.int32)
-    npairs = pair_layout(D, K, W)[2]
-    sizes = [min(W, K)] + [min(W, n) for n in npairs[1:]]
-    np_t = _static_tensor(tuple(npairs), str(device))  # cached: nothing copied under capture
-    return pi, pr, np_t, _pow2(max(1, max(npairs))), sum(sizes)
 
-
-def triton_build_supported(D: int, K: int, W: int) -> bool:
-    if triton is None or W == 0:
+def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
+    """Whether Triton is there and the build's sorts for depth ``max_depth``, ``k``
+    candidates per depth and ``width`` nodes fit one program."""
+    if not HAS_TRITON or width == 0:
         return False
-    from vllm_ddtree.tree.build import pair_layout
-
-    p2 = _pow2(len(pair_layout(D, K, W)[0]))
-    return p2 <= MAX_SORT and _pow2(W) * _pow2(D) <= MAX_SORT
+    p2 = _pow2(len(pair_layout(max_depth, k, width)[0]))
+    return p2 <= MAX_SORT and _pow2(width) * _pow2(max_depth) <= MAX_SORT
 
 
-def tree_build_triton(lp: torch.Tensor, tok: torch.Tensor, width: int,
-                      per_req: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``lp``/``tok``: ``[R, D, K]`` per-depth candidates (see ``depth_candidates``);
-    ``per_req``: ``[R]`` budgets.  Returns ``(token_ids, parents, depths, scores)``, each
-    ``[R, width]``, and ``num_nodes [R]``."""
-    R, D, K = lp.shape
-    dev = lp.device
-    pi, pr, npairs, p2, total = _pair_tables(D, K, width, dev)
-    num_nodes = per_req.clamp(max=min(width, total))
+def tree_build_triton(
+    logprobs: torch.Tensor,  # [R, D, K] float32 per-depth candidate log-probabilities
+    token_ids: torch.Tensor,  # [R, D, K] int64 their token ids
+    width: int,
+    budgets: torch.Tensor,  # [R] int64 per-request node budgets (<= width)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trees of ``build_tree`` from its per-depth candidates (``depth_candidates``).
+
+    Returns ``(token_ids, parents, depths, scores)``, each ``[R, width]``, and
+    ``num_nodes [R]``, with ``DraftTree``'s conventions.
+    """
+    R, D, K = logprobs.shape
+    dev = logprobs.device
+    parent_pos, ranks, num_pairs, p2, total = _pair_tables(D, K, width, dev)
+    num_nodes = budgets.clamp(max=min(width, total))
     pb = _pow2(width)
     s = max(p2, pb)
     db = _pow2(D) * pb
     keys = torch.empty((R, D, s), dtype=torch.int64, device=dev)
-    mp = torch.empty((R, D, pb), dtype=torch.int64, device=dev)
+    node_map = torch.empty((R, D, pb), dtype=torch.int64, device=dev)
     out_tok = torch.empty((R, width), dtype=torch.int64, device=dev)
     out_par = torch.empty_like(out_tok)
     out_dep = torch.empty_like(out_tok)
     out_score = torch.empty((R, width), dtype=torch.float32, device=dev)
     _tree_build_kernel[(R,)](
-        lp.contiguous(), tok.contiguous(), pi, pr, npairs, keys, mp, num_nodes,
-        out_tok, out_par, out_dep, out_score,
+        logprobs.contiguous(), token_ids.contiguous(), parent_pos, ranks, num_pairs, keys,
+        node_map, num_nodes, out_tok, out_par, out_dep, out_score,
         D=D, K=K, W=width, P2=p2, S=s, PB=pb, DB=db,
         num_warps=8 if db >= 2048 else 4,
     )

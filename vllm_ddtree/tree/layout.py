@@ -30,7 +30,10 @@ class TreeLayout:
         return ((words >> (k % 32)) & 1).bool()
 
 
-def tree_layout(tree: DraftTree, root_positions: torch.Tensor) -> TreeLayout:
+def tree_layout(
+    tree: DraftTree,
+    root_positions: torch.Tensor,  # [R] position of each request's root row
+) -> TreeLayout:
     """Positions and the ancestor-or-self relation of every verify row.
 
     Unused rows (beyond ``num_nodes``) see only themselves, so every row has a
@@ -67,19 +70,16 @@ class CompactionPlan:
     moves: torch.Tensor  # [R, D + 1] bool: accepted and not already in place
 
 
-def compaction_plan(accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> CompactionPlan:
+def compaction_plan(
+    accepted_nodes: torch.Tensor,  # [R, D + 1] int64 accepted verify rows, root-first
+    num_accepted: torch.Tensor,  # [R] int64 their count, root included
+) -> CompactionPlan:
+    """Where each accepted verify row's KV entries go: row ``accepted_nodes[r, i]`` to
+    row ``i``; both arguments as :func:`~vllm_ddtree.tree.walk.walk_tree` returns them.
+    A destination never follows its source, so gathering every source before writing
+    makes overlapping moves safe."""
     R, L = accepted_nodes.shape
     dst = torch.arange(L, device=accepted_nodes.device).expand(R, L)
     live = dst < num_accepted.unsqueeze(1)
     src = torch.where(live, accepted_nodes, dst)
     return CompactionPlan(src, dst.contiguous(), live & (src != dst))
-
-
-def apply_compaction(cache: torch.Tensor, row_base: torch.Tensor, plan: CompactionPlan) -> None:
-    """In-place compaction of a flat ``[num_slots, ...]`` cache whose verify row ``i`` of
-    request ``r`` lives at ``row_base[r] + i``.  Gathers every source before writing, so
-    overlapping moves are safe (a destination never follows its source)."""
-    base = row_base.to(torch.int64).unsqueeze(1)
-    src = (base + plan.src_rows)[plan.moves]
-    dst = (base + plan.dst_rows)[plan.moves]
-    cache[dst] = cache[src]

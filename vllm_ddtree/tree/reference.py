@@ -15,10 +15,13 @@ import torch
 from .build import sanitized_logits
 
 
-def depth_rankings(logits_rd: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[np.float32]]]:
-    """For one request ``[D, V]``: per depth the ``k`` best token ids (logit desc, id asc)
+def depth_rankings(
+    draft_logits: torch.Tensor,  # [D, V] one request's draft logits
+    k: int,
+) -> tuple[list[list[int]], list[list[np.float32]]]:
+    """For one request: per depth the ``k`` best token ids (logit desc, id asc)
     and their float32 log-probabilities."""
-    x = sanitized_logits(logits_rd)
+    x = sanitized_logits(draft_logits)
     lse = torch.logsumexp(x, dim=-1)
     toks, lps = [], []
     for d in range(x.shape[0]):
@@ -31,16 +34,19 @@ def depth_rankings(logits_rd: torch.Tensor, k: int) -> tuple[list[list[int]], li
     return toks, lps
 
 
-def build_tree_heap(logits_rd: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
+def build_tree_heap(
+    draft_logits: torch.Tensor,  # [D, V] one request's draft logits
+    budget: int,
+) -> list[tuple[int, int, int]]:
     """Reference tree for one request: ``[(token, parent, depth), ...]`` in pop order.
 
     Heap key: ``(-score, depth, pop index of the parent, token rank)``.
     """
-    D, V = logits_rd.shape
+    D, V = draft_logits.shape
     if budget <= 0 or D == 0 or V == 0:
         return []
     k = min(budget, V)
-    toks, lps = depth_rankings(logits_rd, k)
+    toks, lps = depth_rankings(draft_logits, k)
     zero = np.float32(0.0)
     heap = [(-(zero + lps[0][0]), 1, -1, 0, zero)]
     out: list[tuple[int, int, int]] = []

@@ -15,9 +15,18 @@ import torch
 _EPS = 1e-5
 
 
-def top_k_top_p_torch(logits: torch.Tensor, k: torch.Tensor | None,
-                      p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside each row's top-k / top-p set (k >= vocab or p >= 1: no-op)."""
+# (logits [N, V], top_k [N] or None, top_p [N] or None) -> masked logits [N, V]
+TopKTopP = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def top_k_top_p_torch(
+    logits: torch.Tensor,  # [N, V]
+    k: torch.Tensor | None,  # [N] top-k per row
+    p: torch.Tensor | None,  # [N] top-p per row
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k / top-p set (k >= vocab or p >= 1: no-op).
+    The signature of vLLM's ``apply_top_k_top_p``, which a runner may pass to
+    :func:`sample_rows` instead."""
     if k is None and p is None:
         return logits
     srt, idx = logits.sort(dim=-1, descending=False)
@@ -34,14 +43,14 @@ def top_k_top_p_torch(logits: torch.Tensor, k: torch.Tensor | None,
 
 
 def sample_rows(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-    top_k_top_p: Callable = top_k_top_p_torch,
-) -> torch.Tensor:
+    logits: torch.Tensor,  # [N, V] float32
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor | None = None,  # [N]
+    top_p: torch.Tensor | None = None,  # [N]
+    min_p: torch.Tensor | None = None,  # [N]
+    generators: dict[int, torch.Generator] | None = None,  # row -> its generator
+    top_k_top_p: TopKTopP = top_k_top_p_torch,
+) -> torch.Tensor:  # [N] int64
     """One token per row of ``logits [N, V]`` (float32).
 
     Rows with ``temperature < 1e-5`` take the argmax.  Otherwise: temperature, then

@@ -8,7 +8,8 @@ from .build import DraftTree
 
 
 def walk_tree(
-    tree: DraftTree, target_token_ids: torch.Tensor
+    tree: DraftTree,
+    target_token_ids: torch.Tensor,  # [R, W + 1]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every request's tree along the target's own tokens.
 
