@@ -1,6 +1,6 @@
 """GPU evidence for the tree core: exactness on the device and time per step.
 
-Usage (one H200, no vLLM needed):  python benchmarks/core_gpu.py [--out DIR]
+Usage (one H200, no vLLM needed):  python3 -m benchmarks.core_gpu [--out DIR]
 
 1. build_tree on CUDA equals build_tree on CPU (itself checked against the Python heap
    in CI) on random, peaked and tie-heavy logits; walk_tree likewise.
@@ -15,13 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
+from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from vllm_ddtree.kernels.tree_attention import tree_attention_torch, tree_attention_triton  # noqa: E402
-from vllm_ddtree.tree import build_tree, tree_layout, walk_tree  # noqa: E402
+from vllm_ddtree.kernels.tree_attention import tree_attention_torch, tree_attention_triton
+from vllm_ddtree.tree import build_tree, tree_layout, walk_tree
 
 STEP_MS_8B = 5.3  # Qwen3-8B-shaped decode step, batch 1, vLLM 0.26 on this H200
 
@@ -59,7 +58,8 @@ def check_exact():
     return rows
 
 
-def _time(fn, iters=30):
+def median_ms(fn: Callable[[], object], iters: int = 30) -> float:
+    """Median milliseconds of ``iters`` calls of ``fn`` (CUDA events, after 3 warm-ups)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -90,7 +90,7 @@ def time_core(dtype):
                     lay = tree_layout(tree, root)
                     return tree, acc, lay
 
-                eager = _time(step)
+                eager = median_ms(step)
                 # The whole step as one CUDA graph (as inside vLLM's captured decode step).
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
@@ -100,11 +100,11 @@ def time_core(dtype):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     step()
-                res += [eager, _time(graph.replay)]
+                res += [eager, median_ms(graph.replay)]
                 del graph
             # candidates only (log-softmax + per-depth top-k): the part left outside Triton
             from vllm_ddtree.tree.build import depth_candidates
-            cand = _time(lambda: depth_candidates(logits, min(B, V)))
+            cand = median_ms(lambda: depth_candidates(logits, min(B, V)))
             rows.append((str(dtype).replace("torch.", ""), R, B, *res, cand,
                          100 * min(res[1], res[3]) / STEP_MS_8B))
     return rows
@@ -133,8 +133,8 @@ def check_attention():
             out, lse = tree_attention_triton(**args, max_rows=n)
             err = (out.float() - ref.float()).abs().max().item()
             lerr = (lse - ref_lse).abs().max().item()
-            t_tri = _time(lambda: tree_attention_triton(**args, max_rows=n))
-            t_ref = _time(lambda: tree_attention_torch(**args), iters=5)
+            t_tri = median_ms(lambda: tree_attention_triton(**args, max_rows=n))
+            t_ref = median_ms(lambda: tree_attention_torch(**args), iters=5)
             rows.append((str(dtype).replace("torch.", ""), hd, err, lerr, t_tri, t_ref))
     return rows
 

@@ -2,7 +2,7 @@
 banner() { echo; echo "=== $* ($(date +%T))"; }
 # cleanup: stop vLLM servers and engines and wait (up to 30 s, then SIGKILL) until no
 # process holds GPU memory: an engine core still tearing down after `timeout` killed its
-# parent held 120 GiB and the next engine failed to start (session 6).
+# parent has held 120 GiB, and the next engine failed to start.
 cleanup() {
   [ -n "${NO_CLEANUP:-}" ] && return 0
   pkill -f "vllm.entrypoints"; pkill -f EngineCore; pkill -f "VLLM::"

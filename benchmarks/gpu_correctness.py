@@ -1,7 +1,7 @@
 """DDTree on vLLM's GPU runner (Model Runner V2): greedy exactness against no
 speculation, and acceptance, on the project's tiny fixtures (bf16).
 
-    python benchmarks/gpu_correctness.py --out $OUT [--quick]
+    python3 -m benchmarks.gpu_correctness --out $OUT [--fixtures F,...] [--budgets B,...]
 
 For every fixture, budget and CUDA-graph mode, one engine serves batches of 1, 4 and
 32 prompts; outputs are compared token by token with a no-speculation engine of the
@@ -13,7 +13,6 @@ TP = 2); writes ``results.json``.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import time
@@ -30,16 +29,17 @@ def prompts(n):
 
 
 def engine(target, spec, graphs, budget=None, tp=1):
-    from vllm import LLM
+    """An engine of the fixture ``target``, shut down when its ``with`` block ends."""
+    from vllm_ddtree.testing.engines import llm_engine
 
     kw = {"tensor_parallel_size": tp}
     if graphs:
         width = 1 + (budget or 0)
         kw["compilation_config"] = {"max_cudagraph_capture_size": min(32 * width, 8192)}
-    return LLM(model=str(target), dtype="bfloat16", max_model_len=512, seed=0,
-               max_num_seqs=32, max_num_batched_tokens=8192, gpu_memory_utilization=0.3,
-               enforce_eager=not graphs, disable_log_stats=False,
-               speculative_config=spec, **kw)
+    return llm_engine(model=str(target), dtype="bfloat16", max_model_len=512, seed=0,
+                      max_num_seqs=32, max_num_batched_tokens=8192, gpu_memory_utilization=0.3,
+                      enforce_eager=not graphs, disable_log_stats=False,
+                      speculative_config=spec, **kw)
 
 
 def counters(llm):
@@ -70,18 +70,9 @@ def digest(token_ids) -> str:
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:12]
 
 
-def close(llm):
-    import torch
-
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu-correctness")
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fixtures", default="accept_all,tree_beats_chain,random")
     ap.add_argument("--budgets", default="15,60,240")
     ap.add_argument("--graphs", default="0,1")
@@ -101,15 +92,13 @@ def main():
     for fx in args.fixtures.split(","):
         target, drafter = make_tiny_pair(out / "fixtures", fx, "bfloat16")
         for graphs in [bool(int(x)) for x in args.graphs.split(",")]:
-            llm = engine(target, None, graphs and not args.ref_eager, tp=args.tp)
-            ref = run_batches(llm, batches, args.max_tokens)
-            close(llm)
+            with engine(target, None, graphs and not args.ref_eager, tp=args.tp) as llm:
+                ref = run_batches(llm, batches, args.max_tokens)
             for budget in [int(x) for x in args.budgets.split(",")]:
                 spec = {"method": "ddtree", "model": str(drafter),
                         "num_speculative_tokens": budget}
-                llm = engine(target, spec, graphs, budget, tp=args.tp)
-                got = run_batches(llm, batches, args.max_tokens)
-                close(llm)
+                with engine(target, spec, graphs, budget, tp=args.tp) as llm:
+                    got = run_batches(llm, batches, args.max_tokens)
                 for n in batches:
                     same = sum(a == b for a, b in zip(got[n][0], ref[n][0]))
                     rows.append(dict(fixture=fx, graphs=graphs, budget=budget, batch=n,

@@ -15,9 +15,9 @@
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
 #   c2  carry .gpu/bundle.part-00                      stash
 #   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
-#       the step profile p1 (below): DFlash vs DDTree-15 at equal width (#7)
+#       the step profile p1 (below): DFlash vs DDTree-15 at equal width
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
-#       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64 (#6 #7);
+#       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64;
 #       PAIR_METHODS (default ar,dflash,ddtree; also dflash2, ddtree-N, ddtree-auto,
 #       ddtree-online: engines are alive together, each pinned to its own CPUs, and the
 #       cells interleaved, so keep 3-4 per call);
@@ -25,15 +25,14 @@
 #       bundle part came with it), BUDGETS (default 15,31,63), REPEATS (timed runs per
 #       cell, default 1; each adds ~15-40 s per engine), PAIR_TOKENS (output tokens per
 #       request, default 128), PAIR_TEMPS (default 0,1), PAIR_TIMEOUT (default 540 s)
-#   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test (#4 #5; done on
-#       the H200 in session 6)
-#   d2  (nothing)   the Qwen3-shaped random model, DDTree rows (#4)
+#   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test
+#   d2  (nothing)   the Qwen3-shaped random model, DDTree rows
 #
 # On nvidia-h200-x2 (the tree is ~25 MB, so a 40 MB bundle part fills a call): calls
 # `gpu_tp.sh 2 stash` with .gpu/bundle.part-00, then -01, then
 #   x2  carry .gpu/bundle.part-02   unpack, install; two queues at once, one per GPU:
 #       GPU 0: `vllm serve` check, margin fixtures at TP = 1 (digests; REL=1: also the
-#       reliability tests, done on the H200 in session 5); GPU 1: T>0 distribution test
+#       reliability tests); GPU 1: T>0 distribution test
 # then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
 #   p3 (after the bundle; INSTALL=1 on the call that carries its last part): DFlash,
 #       A/A and DDTree-15 step cost on the Qwen3-shaped random pair, interleaved and not
@@ -43,7 +42,7 @@
 #   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
 #       (Qwen3-shaped random pair); both write gzipped Chrome traces with Python stacks
 #       to $OUT (read them with benchmarks/trace_summary.py).
-# Session 4 lessons: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
+# Timing: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
 # graphs (imports ~1 min, compile ~40 s), so two servers need > 300 s; and the machine
 # goes back 30 s after a call: issue the next call at once, read results later.
 set -u
@@ -58,8 +57,8 @@ install() { install_plugin
             python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; }
 shaped_pair() {  # the Qwen3-shaped random target + drafter in $1 (once per machine)
   [ -f "$1/.done" ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
-from gpu_random_models import gen_shaped; gen_shaped(Path('$1'))"; }
+from pathlib import Path
+from benchmarks.gpu_random_models import gen_shaped; gen_shaped(Path('$1'))"; }
 train_status() { [ -f $TRAIN/run.log ] && { banner "training log tail"; tail -n 4 $TRAIN/run.log; }; }
 
 case $STAGE in
@@ -69,7 +68,7 @@ a|b)
   SMOKE=${SMOKE:-0} bash scripts/gpu_train_smollm.sh 2>&1 | tail -n 15
   if [ $STAGE = a ]; then  # torch + Triton only (no vLLM yet): one-pass vs pruned top-k
     banner "DDTree step parts at Qwen3-8B shape, top-k one pass (0) vs pruned (1)"
-    PYTHONPATH=. timeout 240 python3 benchmarks/gpu_step_parts.py --topk-prune 0,1 \
+    timeout 240 python3 -m benchmarks.gpu_step_parts --topk-prune 0,1 \
       --budgets 15,63 --out "$LOG/parts" > "$LOG/parts.log" 2>&1
     echo "exit $?"; grep "failed:" "$LOG/parts.log"; tail -n 14 "$LOG/parts.log"
   fi
@@ -97,7 +96,7 @@ serve)  # one GPU: serve check, then the T > 0 test (stage x2 runs both at once 
   timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 > "$LOG/serve.log" 2>&1
   echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"; cleanup
   banner "T > 0 distribution test (bf16)"
-  watchdog 270 "$LOG/sampling.log" python3 benchmarks/gpu_sampling.py --out "$LOG/sampling"
+  watchdog 270 "$LOG/sampling.log" python3 -m benchmarks.gpu_sampling --out "$LOG/sampling"
   echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40; cleanup
   train_status
   ;;
@@ -113,14 +112,14 @@ e1)
   [ "${INSTALL:-0}" = 1 ] && install  # a fresh machine: the bundle came with this call
   if [ "${SKIP_PARTS:-0}" != 1 ]; then
     banner "DDTree-specific step parts at Qwen3-8B shape"
-    timeout 150 python3 benchmarks/gpu_step_parts.py --out "$LOG/parts" > "$LOG/parts.log" 2>&1
+    timeout 150 python3 -m benchmarks.gpu_step_parts --out "$LOG/parts" > "$LOG/parts.log" 2>&1
     echo "exit $?"; tail -n 11 "$LOG/parts.log"
   fi
   banner "SmolLM2-135M pair: AR vs DFlash vs DDTree"
   # engines start one at a time (~1 min each, cold), then the cells run interleaved; keep
   # ~3 engines per call (PAIR_METHODS; dflash2 = a second DFlash engine, the A/A noise
   # floor) and dflash in every call to have the ratios in each run
-  timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target /root/smol/hf --drafter $D \
+  timeout ${PAIR_TIMEOUT:-540} python3 -m benchmarks.throughput --target /root/smol/hf --drafter $D \
     --prompts $D/training_log.json --num-prompts 64 --budgets ${BUDGETS:-15,31,63} \
     --methods "${PAIR_METHODS:-ar,dflash,ddtree}" --batches 1,2,4,8,16,32,64 --max-model-len 1024 \
     --temps ${PAIR_TEMPS:-0,1} \
@@ -131,7 +130,7 @@ e1)
   ;;
 d2)
   banner "Qwen3-shaped random model (DDTree rows)"
-  timeout 500 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
+  timeout 500 python3 -m benchmarks.gpu_random_models --out "$LOG/shaped" --shaped \
     --no-dflash --budgets 15,60 > "$LOG/shaped.log" 2>&1
   echo "exit $?"; tail -n 6 "$LOG/shaped.log"
   ;;
@@ -143,20 +142,20 @@ x2)
     timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 > "$LOG/serve.log" 2>&1
     echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"
     banner "margin fixtures at TP = 1 (digests for the TP = 2 check)"
-    watchdog 270 "$LOG/margin1.log" python3 benchmarks/gpu_correctness.py --out "$LOG/margin1" \
+    watchdog 270 "$LOG/margin1.log" python3 -m benchmarks.gpu_correctness --out "$LOG/margin1" \
       --fixtures tree_beats_chain,accept_all --budgets 60 --graphs 1 --batches 1,32 --ref-eager
     echo "exit $?"; sed -n '/^fixture/,$p' "$LOG/margin1.log"
     if [ "${REL:-0}" = 1 ]; then
       banner "reliability tests on the GPU (VLLM_DDTREE_TEST_GPU=1)"
       VLLM_DDTREE_TEST_GPU=1 timeout 240 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
+        tests/server/test_reliability_cpu.py -s > "$LOG/reliability.log" 2>&1
       echo "exit $?"; grep -E "^(load|preemption):|passed|failed|error" "$LOG/reliability.log" | tail -n 8
     fi
   ) > "$LOG/gpu0.log" 2>&1 &
   (
     export CUDA_VISIBLE_DEVICES=1
     banner "T > 0 distribution test (bf16)"
-    watchdog 540 "$LOG/sampling.log" python3 benchmarks/gpu_sampling.py --out "$LOG/sampling"
+    watchdog 540 "$LOG/sampling.log" python3 -m benchmarks.gpu_sampling --out "$LOG/sampling"
     echo "exit $?"; grep -v "INFO\|WARNING\|it/s\]" "$LOG/sampling.log" | tail -n 40
   ) > "$LOG/gpu1.log" 2>&1 &
   wait; cat "$LOG/gpu0.log" "$LOG/gpu1.log"
@@ -166,20 +165,20 @@ p3)  # step cost without profiler, interleaved: the Qwen3-shaped random pair (ta
   # ratios with benchmarks/pooled.py
   SH=/tmp/qwen3-2b-random; shaped_pair $SH
   [ "${INSTALL:-0}" = 1 ] && install
-  timeout ${PAIR_TIMEOUT:-540} python3 benchmarks/throughput.py --target $SH/target \
+  timeout ${PAIR_TIMEOUT:-540} python3 -m benchmarks.throughput --target $SH/target \
     --drafter $SH/drafter --methods "${PAIR_METHODS:-dflash,dflash2,ddtree-15}" --budgets 15 \
     --batches ${PAIR_BATCHES:-1,8,32} --temps 0 --max-tokens ${PAIR_TOKENS:-128} \
     --repeats ${REPEATS:-4} --max-model-len 1024 --max-num-batched-tokens 2048 \
     $([ "${HOST_TIMING:-0}" = 1 ] && echo --host-timing) --out "$LOG/steps" > "$LOG/steps.log" 2>&1
   echo "exit $?"; sed -n '/^method/,$p' "$LOG/steps.log"
-  python3 benchmarks/pooled.py "$LOG/steps/results.json"
+  python3 -m benchmarks.pooled "$LOG/steps/results.json"
   ;;
 p1|p2)  # where the DDTree step's time goes: in-process engines under torch.profiler, the
   # Qwen3-shaped random pair (tau = 1 for every method: pure step cost); p1 = DFlash and
   # DDTree-15 (equal width: the fixed overhead), p2 = DDTree-31 and -32 (width, 33rd row)
   SH=/tmp/qwen3-2b-random; shaped_pair $SH
   if [ $STAGE = p1 ]; then M=dflash,ddtree; BUD=15; else M=ddtree; BUD=31,32; fi
-  timeout ${PROF_S:-560} python3 benchmarks/throughput.py --target $SH/target --drafter $SH/drafter \
+  timeout ${PROF_S:-560} python3 -m benchmarks.throughput --target $SH/target --drafter $SH/drafter \
     --methods $M --budgets $BUD --batches 1,32 --temps 0 --max-tokens 128 --profile --trace \
     --max-model-len 1024 --max-num-batched-tokens 2048 --gpu-mem 0.4 --sequential --out "$LOG/prof" \
     > "$LOG/prof.log" 2>&1

@@ -2,7 +2,7 @@
 64 tokens, where any mismatch sits (the target's top-2 logit gap there, in bf16 ulps),
 and DDTree's step cost against vLLM's DFlash chain at equal verify width.
 
-    python benchmarks/gpu_random_models.py --out $OUT [--shaped] [--tiny]
+    python3 -m benchmarks.gpu_random_models --out $OUT [--shaped] [--tiny]
 
 ``--shaped`` writes a Qwen3-shaped target (hidden 2048, 24 layers, 16/8 heads of 128,
 vocab 151936) and a 2-layer DFlash drafter with random weights under /tmp; ``--tiny``
@@ -17,7 +17,6 @@ logit (ulp = 2^(floor(log2|x|) - 7)).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -92,12 +91,14 @@ TP = int(os.environ.get("TP", "1"))  # tensor-parallel size of every engine
 
 
 def engine(target, spec=None, width=16, **kw):
-    from vllm import LLM
+    """An engine of ``target``, shut down when its ``with`` block ends."""
+    from vllm_ddtree.testing.engines import llm_engine
 
-    return LLM(model=str(target), dtype="bfloat16", max_model_len=1024, seed=0, max_num_seqs=32,
-               max_num_batched_tokens=8192, gpu_memory_utilization=0.22,
-               disable_log_stats=False, speculative_config=spec, tensor_parallel_size=TP,
-               compilation_config={"max_cudagraph_capture_size": min(32 * width, 8192)}, **kw)
+    return llm_engine(model=str(target), dtype="bfloat16", max_model_len=1024, seed=0,
+                      max_num_seqs=32, max_num_batched_tokens=8192, gpu_memory_utilization=0.22,
+                      disable_log_stats=False, speculative_config=spec, tensor_parallel_size=TP,
+                      compilation_config={"max_cudagraph_capture_size": min(32 * width, 8192)},
+                      **kw)
 
 
 def drafts(llm):
@@ -128,47 +129,44 @@ def top2(llm, prompt):
     return vals[0], vals[1]
 
 
-def close(llm):
-    import torch
-
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def run(name, target, drafter, out, max_tokens=64, batches=(1, 32), budgets=(15, 60),
+def run(name, target, drafter, max_tokens=64, batches=(1, 32), budgets=(15, 60),
         max_id=990, dflash=True):
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, max_id) for _ in range(rnd.randrange(16, 64))] for _ in range(32)]
-    ref_llm = engine(target, logprobs_mode="raw_logits")
-    ref = {n: generate(ref_llm, prompts[:n], max_tokens) for n in batches}
     rows = []
     configs = [("dflash", 15)] * dflash + [("ddtree", b) for b in budgets]
-    for method, k in configs:
-        spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
-        llm = engine(target, spec, width=k + 1)
-        generate(llm, prompts[:2], 8)  # warm up
-        for n in batches:
-            d0 = drafts(llm)
-            toks, dt = generate(llm, prompts[:n], max_tokens)
-            steps = max(1.0, (drafts(llm) - d0) / n)  # verify steps per request
-            same = sum(a == b for a, b in zip(toks, ref[n][0]))
-            gaps = []
-            for i, (a, b) in enumerate(zip(toks, ref[n][0])):
-                if a == b:
-                    continue
-                j = next(x for x in range(len(a)) if a[x] != b[x])
-                l1, l2 = top2(ref_llm, prompts[i] + b[:j])
-                gaps.append(dict(seq=i, pos=j, gap=l1 - l2, ulps=(l1 - l2) / ulp(l1)))
-            rows.append(dict(model=name, method=method, k=k, batch=n, identical=same, total=n,
-                             near_ties=sum(g["ulps"] <= 4 for g in gaps), mismatches=gaps,
-                             tau=n * max_tokens / max(1.0, drafts(llm) - d0),
-                             ms_per_step=1000 * dt / steps,
-                             ms_nospec=1000 * ref[n][1] / max_tokens))
-            print(json.dumps(rows[-1]), flush=True)
-        close(llm)
-    close(ref_llm)
+    with engine(target, logprobs_mode="raw_logits") as ref_llm:
+        ref = {n: generate(ref_llm, prompts[:n], max_tokens) for n in batches}
+        for method, k in configs:
+            spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
+            with engine(target, spec, width=k + 1) as llm:
+                generate(llm, prompts[:2], 8)  # warm up
+                for n in batches:
+                    rows.append(compare(name, method, k, n, llm, ref_llm, prompts, ref[n],
+                                        max_tokens))
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def compare(name, method, k, n, llm, ref_llm, prompts, ref, max_tokens) -> dict:
+    """One row: the first ``n`` prompts on ``llm`` against ``ref`` (the no-speculation
+    engine's ``(tokens, seconds)``), each mismatch with the reference's top-2 logit gap."""
+    d0 = drafts(llm)
+    toks, dt = generate(llm, prompts[:n], max_tokens)
+    steps = max(1.0, (drafts(llm) - d0) / n)  # verify steps per request
+    same = sum(a == b for a, b in zip(toks, ref[0]))
+    gaps = []
+    for i, (a, b) in enumerate(zip(toks, ref[0])):
+        if a == b:
+            continue
+        j = next(x for x in range(len(a)) if a[x] != b[x])
+        l1, l2 = top2(ref_llm, prompts[i] + b[:j])
+        gaps.append(dict(seq=i, pos=j, gap=l1 - l2, ulps=(l1 - l2) / ulp(l1)))
+    return dict(model=name, method=method, k=k, batch=n, identical=same, total=n,
+                near_ties=sum(g["ulps"] <= 4 for g in gaps), mismatches=gaps,
+                tau=n * max_tokens / max(1.0, drafts(llm) - d0),
+                ms_per_step=1000 * dt / steps,
+                ms_nospec=1000 * ref[1] / max_tokens)
 
 
 def main():
@@ -190,10 +188,10 @@ def main():
         from vllm_ddtree.testing.fixtures import make_tiny_pair
 
         t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
-        rows += run("tiny-random", t, d, out, max_id=250, **{"budgets": (15, 60, 240), **kw})
+        rows += run("tiny-random", t, d, max_id=250, **{"budgets": (15, 60, 240), **kw})
     if args.shaped:
         t, d = gen_shaped(Path(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random")))
-        rows += run("qwen3-2048x24-random", t, d, out, **kw)
+        rows += run("qwen3-2048x24-random", t, d, **kw)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     print("\nmodel                 method  k   batch identical near-tie/mismatch  max-ulps  "
           " tau  ms/step  ms/step(no spec)")

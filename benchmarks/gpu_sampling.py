@@ -1,6 +1,6 @@
 """T > 0 on the GPU runner: DDTree's per-node sampling against no speculation (bf16).
 
-    python benchmarks/gpu_sampling.py --out $OUT [--n 4000]
+    python3 -m benchmarks.gpu_sampling --out $OUT [--n 4000]
 
 The "spread" fixture (target T=1 distribution ~(0.80, 0.16, 0.03) over three tokens,
 drafter shares it, so trees accept several tokens per step while every token stays
@@ -16,7 +16,6 @@ no speculation.  Prints a table last.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 from pathlib import Path
@@ -46,12 +45,12 @@ def main():
     if args.cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         dtype, kw = "float32", dict(enforce_eager=True)
-    # Fresh engine processes: on the H200 (sessions 4 and 5) the forked engine core of this
+    # Fresh engine processes: on the H200 the forked engine core of this
     # script stopped after "Using V2 Model Runner" and never loaded the model.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    from vllm_ddtree.testing.engines import llm_engine
     from vllm_ddtree.testing.fixtures import make_tiny_pair
     from vllm_ddtree.testing.metrics import spec_counts
 
@@ -68,22 +67,18 @@ def main():
     for name, spec in (("nospec", None), ("ddtree", {"method": "ddtree", "model": str(drafter),
                                                       "num_speculative_tokens": args.budget})):
         # different engine seeds: the unseeded samples of the two engines are independent
-        # (with equal seeds the H200 run of session 6 drew identical samples, p = 1)
-        llm = LLM(model=str(target), dtype=dtype, max_model_len=256,
-                  seed=1 if spec else 0, max_num_seqs=256,
-                  gpu_memory_utilization=0.2 if args.cpu else 0.3, disable_log_stats=False,
-                  speculative_config=spec, **kw)
-        res[name] = {c: samples(llm, **p) for c, p in CONFIGS.items()}
-        if name == "nospec":
-            res[name]["t07"] = samples(llm, temperature=0.7)
-        seeds = list(range(1000, 1200))
-        res[name]["seeded"] = [] if args.cpu else [
-            samples(llm, n=200, seeds=seeds, temperature=1.0) for _ in range(2)]
-        res[name]["tau"] = spec_counts(llm).tau or 1.0
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        # (with equal seeds an H200 run drew identical samples, p = 1)
+        with llm_engine(model=str(target), dtype=dtype, max_model_len=256,
+                        seed=1 if spec else 0, max_num_seqs=256,
+                        gpu_memory_utilization=0.2 if args.cpu else 0.3,
+                        disable_log_stats=False, speculative_config=spec, **kw) as llm:
+            res[name] = {c: samples(llm, **p) for c, p in CONFIGS.items()}
+            if name == "nospec":
+                res[name]["t07"] = samples(llm, temperature=0.7)
+            seeds = list(range(1000, 1200))
+            res[name]["seeded"] = [] if args.cpu else [
+                samples(llm, n=200, seeds=seeds, temperature=1.0) for _ in range(2)]
+            res[name]["tau"] = spec_counts(llm).tau or 1.0
     rows = [dict(config=c, p=min_p(res["ddtree"][c], res["nospec"][c])) for c in CONFIGS]
     power = min_p(res["nospec"]["t07"], res["nospec"]["t1"])
     sd, sn = res["ddtree"]["seeded"], res["nospec"]["seeded"]

@@ -1,7 +1,7 @@
 """Cost of each DDTree-specific part of a decode step at Qwen3-8B shape (no vLLM needed).
 
-    python3 benchmarks/gpu_step_parts.py [--out DIR] [--requests 1,8,32] [--budgets 15,64,256]
-                                         [--max-k 16[,32]] [--topk-prune 0,1]
+    python3 -m benchmarks.gpu_step_parts [--out DIR] [--requests 1,8,32] [--budgets 15,64,256]
+                                         [--topk-prune 0,1]
 
 For requests R in {1, 8, 32} and budgets B in {15, 64, 256}: the tree build (+ layout and
 store, as in the drafter's CUDA graph), the per-row metadata fill, the fused walk, the
@@ -20,24 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_gpu import _time  # noqa: E402  (CUDA-event median timer shared by the benchmarks)
-
+from benchmarks.core_gpu import median_ms
 from vllm_ddtree.gpu.buffers import TreeBuffers
-from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 from vllm_ddtree.gpu.verify_rows import KVCompactor, walk_verify
+from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 from vllm_ddtree.tree import build_tree
 
 V, D, LAYERS, HQ, HKV, HD, PREFIX, BS = 151936, 15, 36, 32, 8, 128, 1024, 16
 
 
 def timed(fn):
-    return _time(fn, iters=30)
+    return median_ms(fn, iters=30)
 
 
 def graphed(fn):
@@ -49,14 +46,14 @@ def graphed(fn):
     return g.replay
 
 
-def case(R, B, dev="cuda"):
+def case(R, B, topk_pruned, dev="cuda"):
     W = B + 1
     tb = TreeBuffers(max(R, 1), R * W, B, D, dev)
     logits = torch.randn(R, D, V, device=dev, dtype=torch.bfloat16) * 3
     draft_tokens = torch.zeros(R, B, dtype=torch.int64, device=dev)
 
     def build():
-        tree = build_tree(logits, B)
+        tree = build_tree(logits, B, topk_pruned=topk_pruned)
         tb.store_batch(tree, logits, draft_tokens)
 
     res = {"build": timed(build), "build/g": timed(graphed(build))}
@@ -110,28 +107,25 @@ def main():
     ap.add_argument("--out", default="step-parts")
     ap.add_argument("--requests", default="1,8,32")
     ap.add_argument("--budgets", default="15,64,256")
-    ap.add_argument("--max-k", default="16", help="comma list: the fused top-k kernel's "
-                    "largest k (vllm_ddtree.kernels.topk_lse.MAX_K); one row set per value")
     ap.add_argument("--topk-prune", default="0", help="comma list of 0/1: the pruned top-k "
-                    "(vllm_ddtree.kernels.topk_lse.PRUNE); one row set per value")
+                    "(build_tree's topk_pruned); one row set per value")
     args = ap.parse_args()
-    import vllm_ddtree.kernels.topk_lse as topk_lse
+    from vllm_ddtree.kernels.topk_lse import topk_lse_max_k
 
     rows = []
     for pr in (int(x) for x in args.topk_prune.split(",")):
-        for mk in (int(x) for x in args.max_k.split(",")):
-            topk_lse.PRUNE, topk_lse.MAX_K = bool(pr), mk  # read by build_tree per call
-            for R in (int(x) for x in args.requests.split(",")):
-                for B in (int(x) for x in args.budgets.split(",")):
-                    try:
-                        r = case(R, B)
-                    except Exception as e:  # e.g. a kernel variant that fails to compile:
-                        # report it and keep the other rows of this (one-lease) run
-                        print(f"prune={pr} maxk={mk} R={R} B={B} failed: {e!r}"[:2000],
-                              flush=True)
-                        continue
-                    rows.append(dict(prune=pr, maxk=mk, R=R, B=B, **r))
-                    print(json.dumps(rows[-1]), flush=True)
+        mk = topk_lse_max_k(bool(pr))  # the variant's largest k; torch.topk above it
+        for R in (int(x) for x in args.requests.split(",")):
+            for B in (int(x) for x in args.budgets.split(",")):
+                try:
+                    r = case(R, B, topk_pruned=bool(pr))
+                except Exception as e:  # e.g. a kernel variant that fails to compile:
+                    # report it and keep the other rows of this (one-lease) run
+                    print(f"prune={pr} maxk={mk} R={R} B={B} failed: {e!r}"[:2000],
+                          flush=True)
+                    continue
+                rows.append(dict(prune=pr, maxk=mk, R=R, B=B, **r))
+                print(json.dumps(rows[-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(rows, indent=1))
     if not rows:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor-parallel check in one lease (issues 8 and 10): TP = N on nvidia-h200-x2 (N = 2) or
+# Tensor-parallel check in one lease: TP = N on nvidia-h200-x2 (N = 2) or
 # nvidia-h200-x8 (N = 8).  Device calls, back to back (machine kind in the `run` call):
 #
 #   1  carry .gpu/bundle.part-00 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
@@ -7,7 +7,7 @@
 #   3  carry .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
 #   4  carry .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
 #      (TPS=1 or TPS=N: only those rows; one TP's throughput took ~300 s on a fresh
-#      machine in session 6, so give each half its own call)
+#      machine, so give each half its own call)
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
@@ -16,7 +16,7 @@
 # speed: the random-model near-tie check on the Qwen3-shaped model (16 / 8 heads) at TP = N,
 #        then AR vs DFlash vs DDTree throughput on that pair at TP = 1 and TP = N, batch 1
 #        and 32 (random drafts: this measures step cost, not acceptance).
-# A cold machine needs ~2-2.5 min per vLLM server start with CUDA graphs (session 4): the
+# A cold machine needs ~2-2.5 min per vLLM server start with CUDA graphs: the
 # serve check (two servers) gets 330 s.
 # NVLink multicast stays off (KINDS.md).  Logs under $OUT, tables on stdout.
 set -u
@@ -30,7 +30,7 @@ export NCCL_NVLS_ENABLE=0
 source benchmarks/gpu_common.sh
 [ "$STAGE" = stash ] || need_bundle
 # install in every vLLM stage: after an idle release the bundle is carried again and the
-# next stage runs on a fresh machine (session 6)
+# next stage runs on a fresh machine
 [ "$STAGE" = stash ] || install_plugin
 
 case $STAGE in
@@ -42,7 +42,7 @@ check)
     > "$LOG/serve.log" 2>&1
   echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"; cleanup
   banner "margin fixtures at TP = $N (digests: compare with TP = 1, stage x2 of gpu_lease.sh)"
-  watchdog 280 "$LOG/margin.log" python3 benchmarks/gpu_correctness.py --out "$LOG/margin" \
+  watchdog 280 "$LOG/margin.log" python3 -m benchmarks.gpu_correctness --out "$LOG/margin" \
     --tp "$N" --fixtures tree_beats_chain,accept_all --budgets 60 --graphs 1 --batches 1,32 \
     --ref-eager
   echo "exit $?"; sed -n '/^fixture/,$p' "$LOG/margin.log"; cleanup
@@ -50,19 +50,19 @@ check)
 speed)
   T=/tmp/qwen3-2b-random/target; D=/tmp/qwen3-2b-random/drafter
   [ -f /tmp/qwen3-2b-random/.done ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
-from gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'))"
+from pathlib import Path
+from benchmarks.gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3-2b-random'))"
   if [ -z "${TPS:-}" ] || [ "${TPS}" = "$N" ]; then
     banner "Qwen3-shaped random model at TP = $N (near-tie check)"
-    TP=$N timeout 200 python3 benchmarks/gpu_random_models.py --out "$LOG/shaped" --shaped \
+    TP=$N timeout 200 python3 -m benchmarks.gpu_random_models --out "$LOG/shaped" --shaped \
       --no-dflash --budgets 60 > "$LOG/shaped.log" 2>&1
     echo "exit $?"; grep -A4 "^model" "$LOG/shaped.log"; cleanup
   fi
   for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
-    # --sequential: one TP engine at a time, as in session 6 (several TP engines alive at
+    # --sequential: one TP engine at a time, as measured so far (several TP engines alive at
     # once, the harness's default, have not been tried; a withheld kind's lease is rare)
-    timeout ${TPUT_S:-330} python3 benchmarks/throughput.py --target $T --drafter $D --tp $tp \
+    timeout ${TPUT_S:-330} python3 -m benchmarks.throughput --target $T --drafter $D --tp $tp \
       --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
       --max-model-len 1024 --max-num-batched-tokens 2048 --sequential --out "$LOG/tp$tp" \
       > "$LOG/tp$tp.log" 2>&1

@@ -1,15 +1,15 @@
 """Autoregressive vs vLLM's DFlash chain vs DDTree, side by side on one device.
 
-    python benchmarks/throughput.py --target T --drafter D --out DIR \
+    python3 -m benchmarks.throughput --target T --drafter D --out DIR \
         [--budgets 16,32,64] [--batches 1,2,4,8,16,32,64] [--temps 0,1] [--max-tokens 128]
         [--repeats 3] [--profile [--trace]]
-    python benchmarks/throughput.py --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
+    python3 -m benchmarks.throughput --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
 
 One engine per method (same target, same drafter, same prompts, same device), each in its
 own child process.  By default every engine is started (one at a time) and the cells are
 interleaved: for each batch size and temperature, every engine runs once per repeat, in
-alternating order, so that drift of the machine (session 8 measured the same DFlash cell
-at 3.1 and 4.7 ms per step in two calls ten minutes apart) falls on all methods alike;
+alternating order, so that drift of the machine (the same DFlash cell has measured 3.1
+and 4.7 ms per step in two calls ten minutes apart) falls on all methods alike;
 ``--gpu-mem`` is then shared by the engines.  ``--sequential`` runs one engine after
 another instead (the whole ``--gpu-mem`` each).  For every batch size and temperature it
 reports, over all repeats of the cell, the acceptance length tau (tokens per verify
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import re
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from pooled import INPROC, reference  # benchmarks/ (this script's directory)
+from benchmarks.pooled import INPROC, reference
 
 DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
@@ -81,7 +80,7 @@ class Run(NamedTuple):
 # A gap between two engine outputs longer than STALL_FACTOR x the run's median gap (and
 # than STALL_MIN_S) is a stall: the "trimmed" wall time counts it as that cap.  Each cell
 # reports its stalls, so a method that stalls more than DFlash is visible rather than
-# trimmed away unseen.  (On the H200, session 9, stalls were rare and moved no ratio by
+# trimmed away unseen.  (On the H200 stalls were rare and moved no ratio by
 # more than 0.02: the A/A floor comes from the median gap's per-run level instead.)
 STALL_FACTOR = 5.0
 STALL_MIN_S = 0.02
@@ -184,10 +183,12 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import SamplingParams
 
+        from vllm_ddtree.testing.engines import shutdown
+
         llm = make_engine(args, spec, width)
         marks = mark_outputs(llm)
         if args.host_timing:
-            from hosttime import timer_for  # benchmarks/ (this script's directory)
+            from benchmarks.hosttime import timer_for
 
             timer = timer_for(llm)
         else:
@@ -208,8 +209,7 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
             else:
                 trace = (args.out / f"trace-{name}-T{temp:g}-b{n}.json") if args.trace else None
                 conn.send((True, profile_generate(llm, batch, sp, spec, trace=trace)))
-        del llm  # shut the engine down here (left to interpreter exit, it hung on CPU)
-        gc.collect()
+        shutdown(llm)  # here: left to interpreter exit, the engine hung on CPU
         conn.send((True, "stopped"))
     except Exception:
         conn.send((False, traceback.format_exc()))
@@ -279,7 +279,7 @@ def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
     steps = drafts / n if spec else toks / n
     tau = (1 + sum(r.accepted for r in runs) / drafts) if (spec and drafts) else 1.0
     # requests advanced per engine step: below the batch size when the scheduler could
-    # not fit every request's rows (session 7: 2 of 64 at budget 63)
+    # not fit every request's rows (e.g. 2 of 64 at budget 63)
     req_it = (drafts if spec else toks) / max(iters, 1)
     cut = [trim_stalls(r.gaps) for r in runs]
     trimmed = [r.wall - c for r, (c, _) in zip(runs, cut)]
@@ -304,7 +304,7 @@ def _host_rows(runs: list[Run], iters: int) -> dict:
     snaps = [r.host for r in runs if r.host]
     if not snaps:
         return {}
-    from hosttime import per_step
+    from benchmarks.hosttime import per_step
 
     steps = sum(s.get("runner.execute_model", (0, 0))[1] for s in snaps) or iters
     return dict(host_ms_per_step=per_step(snaps, steps))
@@ -366,7 +366,7 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
     goes).  Profiling slows the host side, so compare GPU-busy with the unprofiled step
     time.  ``trace``: also
     record Python stacks and write the Chrome trace there, gzipped, for
-    ``benchmarks/trace_summary.py`` (32 tokens per request then, to keep it small)."""
+    ``benchmarks.trace_summary`` (32 tokens per request then, to keep it small)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -574,12 +574,10 @@ def main(argv=None) -> int:
     with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
         rows = run_methods(args, methods, prompts, bar)
     add_ratios(rows, paired=not args.sequential)
-    from vllm_ddtree.kernels import topk_lse
-
     meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
                 repeats=args.repeats, interleaved=not args.sequential,
-                gpu_mem_per_engine=args.gpu_mem, topk_prune=topk_lse.PRUNE,
+                gpu_mem_per_engine=args.gpu_mem, topk_prune=True,  # build_tree's default
                 engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)},
                 engine_core=args.engine_core)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, from a ``throughput.py --profile --trace`` trace.
 
-    python3 benchmarks/trace_summary.py TRACE.json.gz [--steps N] [--match vllm_ddtree/]
+    python3 -m benchmarks.trace_summary TRACE.json.gz [--steps N] [--match vllm_ddtree/]
                                         [--top 25]
 
 Reads the gzipped Chrome trace (recorded with Python stacks) and prints, per step (the

@@ -1,7 +1,7 @@
 """Check the converted SmolLM2-135M folder in vLLM (and, optionally, with a drafter).
 
-    python scripts/check_smollm.py                      # vLLM greedy == transformers greedy
-    python scripts/check_smollm.py --drafter DIR        # also dflash + ddtree engines
+    python3 -m scripts.check_smollm                     # vLLM greedy == transformers greedy
+    python3 -m scripts.check_smollm --drafter DIR       # also dflash + ddtree engines
 
 Converts the GGUF first if needed (``vllm_ddtree.demo.smollm``).  Greedy output of vLLM
 (float32 by default, so both sides compute in the same precision) must equal
@@ -15,13 +15,9 @@ On CPU: ``VLLM_CPU_KVCACHE_SPACE=1`` is set unless already set.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's vllm_ddtree
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -50,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_ddtree.demo.smollm import ensure_smollm
+    from vllm_ddtree.testing.engines import llm_engine
 
     model = args.model or str(ensure_smollm())
     from transformers import AutoTokenizer
@@ -64,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def engine(spec=None):
-        return LLM(model=model, dtype=args.dtype, max_model_len=1024, enforce_eager=True,
-                   seed=0, max_num_seqs=8, gpu_memory_utilization=0.2,
-                   disable_log_stats=False, speculative_config=spec)
+        return llm_engine(model=model, dtype=args.dtype, max_model_len=1024, enforce_eager=True,
+                          seed=0, max_num_seqs=8, gpu_memory_utilization=0.2,
+                          disable_log_stats=False, speculative_config=spec)
 
     runs = {}
     specs = [("none", None)]
@@ -77,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
                               "num_speculative_tokens": args.budget})]
     ok = True
     for name, spec in specs:
-        llm = engine(spec)
-        t0 = time.perf_counter()
-        outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
-        dt = time.perf_counter() - t0
+        with engine(spec) as llm:
+            t0 = time.perf_counter()
+            outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+            dt = time.perf_counter() - t0
+            counts = _counters(llm) if spec else None
         runs[name] = outs
         line = f"[{name}] {sum(map(len, outs))} tokens in {dt:.1f} s"
         if spec:
-            d, n, a = _counters(llm)
+            d, n, a = counts
             line += f"; drafts {d}, drafted {n}, accepted {a}"
             if d:
                 line += f", mean acceptance length {1 + a / d:.2f}"
@@ -92,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             ok &= same
             line += f"; greedy identical to no speculation: {same}"
         print(line, flush=True)
-        del llm
-        gc.collect()
     print("--- vLLM greedy, code prompt ---")
     print(PROMPTS[0] + tok.decode(runs["none"][0]))
     print("--- vLLM greedy, chat prompt ---")

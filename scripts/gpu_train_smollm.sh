@@ -14,7 +14,7 @@
 #                      target as a CUDA smoke test (~30 s; SMOKE=0 skips it) and exits
 #   GPU call 3:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ac, .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
-#                      converts, trains (scripts/train_drafter.py --max-minutes
+#                      converts, trains (python3 -m scripts.train_drafter --max-minutes
 #                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log;
 #                      CONVERT_ONLY=1: converts the target to $SMOL_STAGE/hf and stops there
 #
@@ -58,7 +58,7 @@ if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
             # Meanwhile, the whole trainer on this GPU with the repo's tiny random Qwen3
             # target (no GGUF needed, ~30 s): CUDA problems show up before the real run.
             tgt=$($PY -c "from vllm_ddtree.testing.fixtures import make_tiny_pair as m; print(m('/tmp/fx', 'random', 'bfloat16')[0])")
-            PYTHONUNBUFFERED=1 $PY scripts/train_drafter.py --out /tmp/smoke-drafter --target "$tgt" \
+            PYTHONUNBUFFERED=1 $PY -m scripts.train_drafter --out /tmp/smoke-drafter --target "$tgt" \
                 --mask-id 259 --max-docs 200 --raw-tokens 200000 --gen-prompts 64 --gen-tokens 32 \
                 --eval-prompts 16 --batch 16 --seq-len 256 --anchors 8 --steps 20 --log-every 5 \
                 --max-minutes 2 2>&1 | tail -n 12
@@ -80,7 +80,7 @@ if [[ "${CONVERT_ONLY:-0}" == 1 ]]; then  # the target folder only (the drafter 
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 set +e
-$PY scripts/train_drafter.py --out "$OUT/drafter" --max-minutes "${MAX_MINUTES:-8.5}" "$@" 2>&1 \
+$PY -m scripts.train_drafter --out "$OUT/drafter" --max-minutes "${MAX_MINUTES:-8.5}" "$@" 2>&1 \
     | grep --line-buffered -v -e "^Loading weights" -e "de-quantizing" | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
 set -e

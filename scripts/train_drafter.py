@@ -3,11 +3,11 @@
 
 Pure torch + transformers (no vLLM).  Real run on one GPU (about 10 minutes on an H200)::
 
-    python scripts/train_drafter.py --out drafter/ --device cuda --max-minutes 8.5
+    python3 -m scripts.train_drafter --out drafter/ --device cuda --max-minutes 8.5
 
 CPU smoke test (seconds)::
 
-    python scripts/train_drafter.py --out /tmp/d --device cpu --steps 3 --tiny
+    python3 -m scripts.train_drafter --out /tmp/d --device cpu --steps 3 --tiny
 
 What it does
 ------------
@@ -62,13 +62,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 BLOCK_SIZE = 16
 MASK_TOKEN = "<empty_output>"
@@ -359,38 +355,6 @@ def tokenize_docs(tok, docs, max_tokens):
     return stream[:max_tokens]
 
 
-def build_prompts(tok, docs, n, rng: random.Random, chat_frac, max_prompt_tokens):
-    """``n`` prompts (token lists) from ``docs``: ``chat_frac`` ChatML instructions, the
-    rest code prefixes to continue; returns (prompts, kinds)."""
-    from vllm_ddtree.demo.smollm_data import chat_prompts, code_prompt, prefetch_functions
-
-    code_docs = [d for d in docs if d.source == "stdlib"] or docs
-    if n * chat_frac >= 500:
-        prefetch_functions(docs, min(16, os.cpu_count() or 1))
-    prompts, kinds = [], []
-    for _ in range(n):
-        kind = "chat" if rng.random() < chat_frac else "code"
-        for _try in range(50):  # many documents give no chat prompt: draw another
-            if kind == "chat":
-                msgs = chat_prompts(rng.choice(docs), rng, k=1)
-                if not msgs:
-                    continue
-                text = tok.apply_chat_template([{"role": "user", "content": msgs[0]}],
-                                               tokenize=False, add_generation_prompt=True)
-                ids = tok(text, add_special_tokens=False)["input_ids"]
-                if len(ids) > max_prompt_tokens:
-                    continue
-            else:
-                ids = tok(code_prompt(rng.choice(code_docs), rng),
-                          add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
-                if len(ids) < 8:
-                    continue
-            prompts.append(ids)
-            kinds.append(kind)
-            break
-    return prompts, kinds
-
-
 @torch.no_grad()
 def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, device, seed,
              deadline=None, log=print):
@@ -517,7 +481,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_ddtree.demo.smollm import ensure_smollm
-    from vllm_ddtree.demo.smollm_data import is_heldout, iter_documents, prefetch_functions
+    from vllm_ddtree.demo.smollm_data import (build_prompts, is_heldout, iter_documents,
+                                              prefetch_functions)
 
     # ---- data (documents first: the parsing workers fork before CUDA or tokenizer threads)
     docs = list(iter_documents(tuple(args.sources.split(","))))
@@ -676,7 +641,7 @@ def main(argv=None) -> int:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     info = {
         "format_version": FORMAT_VERSION,
-        "command": "python scripts/train_drafter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python3 -m scripts.train_drafter " + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": vars(args),
         "steps_done": steps_done, "stopped_early": stopped_early,
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),

@@ -1,6 +1,6 @@
 """Check the patch ledger's vLLM symbols against a vLLM *source tree*, without importing it.
 
-    python scripts/vllm_surface.py SRC [--against SRC2]
+    python3 -m scripts.vllm_surface SRC [--against SRC2]
 
 SRC is a directory holding the ``vllm`` package, e.g. a wheel unpacked with ``unzip``
 (GPU wheels cannot be imported on a CPU machine, but their Python source can be read).

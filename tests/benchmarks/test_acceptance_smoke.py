@@ -1,6 +1,6 @@
-"""CPU smoke test of the acceptance benchmark (benchmarks/acceptance.py) on the real pair:
-SmolLM2-135M + a DFlash drafter trained here for a few steps (scripts/train_drafter.py
---tiny).  Two held-out prompts x 16 greedy tokens, chain and DDTree at budgets 16 and 32;
+"""CPU smoke test of the acceptance benchmark (``python3 -m benchmarks.acceptance``) on the
+real pair: SmolLM2-135M + a DFlash drafter trained here for a few steps
+(``python3 -m scripts.train_drafter --tiny``).  Two held-out prompts x 16 greedy tokens, chain and DDTree at budgets 16 and 32;
 the reference loop on one prompt must give the same tau as vLLM (fp32: exact)."""
 
 import json
@@ -24,21 +24,21 @@ def drafter(tmp_path_factory):
     except SmolLMUnavailable as e:  # fail, not skip: setup-cpu.sh installs the wheel
         pytest.fail(f"SmolLM2 GGUF unavailable: {e}", pytrace=False)
     out = tmp_path_factory.mktemp("drafter")
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_drafter.py"), "--out", str(out),
+    cmd = [sys.executable, "-m", "scripts.train_drafter", "--out", str(out),
            "--device", "cpu", "--steps", "3", "--tiny", "--threads", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
 
 
 def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "acceptance.py"), "--cpu", "--drafter", str(drafter),
+    cmd = [sys.executable, "-m", "benchmarks.acceptance", "--cpu", "--drafter", str(drafter),
            "--out", str(tmp_path), "--num-prompts", "2", "--max-tokens", "16", "--budgets", "16,32",
            "--temps", "0", "--ref-prompts", "1"]
     # One OpenMP thread: on a busy 2-core machine more threads than free cores make the tiny
     # forwards many times slower (10+ min instead of ~1.5).
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "acceptance.json").read_text())
 

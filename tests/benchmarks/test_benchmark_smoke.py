@@ -1,6 +1,6 @@
-"""CPU smoke test of the benchmark harness (benchmarks/throughput.py): it runs vLLM's
-DFlash chain and DDTree on the tree-beats-chain fixture, writes JSON and a PNG, and the
-numbers it reports are the engines' own (DDTree accepts one token per step there, the
+"""CPU smoke test of the benchmark harness (``python3 -m benchmarks.throughput``): it runs
+vLLM's DFlash chain and DDTree on the tree-beats-chain fixture, writes JSON and a PNG, and
+the numbers it reports are the engines' own (DDTree accepts one token per step there, the
 chain none)."""
 
 import gzip
@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
     """throughput.py on CPU, fixture tree_beats_chain, budget 30, T = 0, plus ``args``."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
+    cmd = [sys.executable, "-m", "benchmarks.throughput", "--cpu",
            "--fixture", "tree_beats_chain", "--out", str(tmp_path), "--budgets", "30",
            "--temps", "0", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -98,10 +98,10 @@ def test_throughput_host_timing_cpu_smoke(tmp_path):
         assert 0 < host["drafter.propose"][0] <= host["runner.propose_draft_token_ids"][0]
     assert "runner.execute_model" in proc.stdout.splitlines()[-1]
     # every method must be in-process, or the harness refuses before starting anything
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--cpu",
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--cpu",
                           "--fixture", "tree_beats_chain", "--methods", "dflash,ddtree@inproc",
                           "--host-timing", "--out", str(tmp_path / "bad")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "@inproc" in bad.stderr
 
 
@@ -117,10 +117,9 @@ def test_throughput_profile_cpu_smoke(tmp_path):
     trace = tmp_path / "trace-ddtree-30-T0-b1.json.gz"
     with gzip.open(trace, "rt") as f:
         assert json.load(f)["traceEvents"]
-    # benchmarks/trace_summary.py: per step, the plugin's functions by host time; the
+    # benchmarks.trace_summary: per step, the plugin's functions by host time; the
     # proposer runs once per step, and what it calls cannot take longer than it
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from trace_summary import load, summarize
+    from benchmarks.trace_summary import load, summarize
 
     summ = summarize(load(str(trace)), None, "vllm_ddtree/", 40)
     ours = {name.rsplit(": ", 1)[-1]: (ms, calls) for name, ms, calls in summ["ours"]}

@@ -1,14 +1,10 @@
 """The benchmark harness's statistics (benchmarks/throughput.py), without vLLM: which
 prompts a repeat takes, how a cell totals its runs, and the paired ratio."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from throughput import (Run, _cell, add_ratios, build_methods, cell_row, cpu_sets,  # noqa: E402
-                        trim_stalls)
+from benchmarks.throughput import (Run, _cell, add_ratios, build_methods, cell_row, cpu_sets,
+                                   trim_stalls)
 
 
 def test_each_repeat_takes_the_next_prompts():
@@ -106,7 +102,7 @@ def test_cell_reports_stalls_and_trimmed_throughput():
 
 
 def test_pooled_ratios_are_within_repeat_and_can_show_no_difference():
-    from pooled import merge, paired, summarize
+    from benchmarks.pooled import merge, paired, summarize
 
     def rows(ddtree_runs, gaps=None):
         r = [dict(method="dflash", temperature=0.0, batch=b, tok_s_runs=[100.0, 200.0],
@@ -132,7 +128,7 @@ def test_pooled_ratios_are_within_repeat_and_can_show_no_difference():
 
 
 def test_inproc_engines_are_compared_with_the_inproc_reference():
-    from pooled import paired, reference
+    from benchmarks.pooled import paired, reference
 
     names = {"dflash", "ddtree-15", "dflash@inproc", "ddtree-15@inproc"}
     assert reference("ddtree-15@inproc", "dflash", names) == "dflash@inproc"
@@ -163,7 +159,7 @@ class _Part:
 
 
 def test_host_timer_counts_calls_and_inclusive_time_per_method():
-    from hosttime import HostTimer, per_step
+    from benchmarks.hosttime import HostTimer, per_step
 
     part = _Part()
     timer = HostTimer({"runner": part}, modules=(__name__,))

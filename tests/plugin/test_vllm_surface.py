@@ -4,14 +4,11 @@ importing it (how vLLM 0.33's GPU wheel is checked on a CPU machine)."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import vllm_surface  # noqa: E402
+from scripts import vllm_surface
 
 
 def _write(root: Path, rel: str, text: str) -> None:

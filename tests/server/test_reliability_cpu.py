@@ -1,4 +1,4 @@
-"""Reliability through vLLM's OpenAI-compatible server on CPU (issue 9, CPU part).
+"""Reliability through vLLM's OpenAI-compatible server on CPU.
 
 Started side by side (module fixture ``servers``):
 

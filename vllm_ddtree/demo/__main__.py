@@ -28,7 +28,6 @@ dominates such tiny forwards, so it says nothing about speed-ups of real models 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -78,29 +77,19 @@ def _spec_counters(llm) -> tuple[int, int, int]:
     return tuple(spec_counts(llm))
 
 
-def _close(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # best effort; the process exits soon anyway
-        pass
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 def run_one(target: Path, drafter: Path, method: str, budget: int | None,
             max_tokens: int, on_cpu: bool, prompts: list[str] = PROMPTS) -> Run:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from vllm_ddtree.testing.engines import llm_engine
 
     spec = None
     if method != "none":
         spec = {"method": method, "model": str(drafter), "num_speculative_tokens": budget}
-    llm = LLM(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
-              seed=0, max_num_seqs=len(prompts), disable_log_stats=False,
-              gpu_memory_utilization=0.2 if on_cpu else 0.3, speculative_config=spec)
-    try:
+    with llm_engine(model=str(target), dtype="float32", max_model_len=1024, enforce_eager=True,
+                    seed=0, max_num_seqs=len(prompts), disable_log_stats=False,
+                    gpu_memory_utilization=0.2 if on_cpu else 0.3,
+                    speculative_config=spec) as llm:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4,
                                                  ignore_eos=True), use_tqdm=False)  # warm-up
         before = _spec_counters(llm)
@@ -112,8 +101,6 @@ def run_one(target: Path, drafter: Path, method: str, budget: int | None,
         t0 = time.perf_counter()  # best of two: a busy machine makes single runs noisy
         llm.generate(prompts, sp, use_tqdm=False)
         seconds = min(seconds, time.perf_counter() - t0)
-    finally:
-        _close(llm)
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
     return Run(method, budget, [list(o.outputs[0].token_ids) for o in outs], seconds,
                drafts, draft_tokens, accepted)

@@ -2,7 +2,7 @@
 
 Every machine has the Python standard library's sources and usually ``/usr/share/doc``;
 nothing is downloaded.  The same functions serve the drafter trainer
-(``scripts/train_drafter.py``) and acceptance benchmarks, so both agree on what is
+(``scripts/train_drafter.py``) and the acceptance benchmark, so both agree on what is
 held out.
 
 * :func:`iter_documents` yields :class:`Doc` (``source`` ``"stdlib"`` or ``"doc"``, a
@@ -13,7 +13,8 @@ held out.
   and the installed OS packages (recorded in the drafter's card).
 * :func:`code_prompt`, :func:`chat_prompts` build prompts from a document: a code prefix
   to continue, and ChatML instructions (write a function from its docstring, explain a
-  function, summarize a paragraph).
+  function, summarize a paragraph); :func:`build_prompts` draws tokenized prompts of
+  both kinds from a list of documents.
 
 Only the standard library is imported.
 """
@@ -23,12 +24,14 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
+import os
 import random
 import sysconfig
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HELDOUT_MOD = 10
 DOC_ROOT = Path("/usr/share/doc")
@@ -198,3 +201,35 @@ def chat_prompts(doc: Doc, rng: random.Random, k: int = 2) -> list[str]:
                 "Rewrite the following text in simpler words:\n\n",
             ]) + para)
     return msgs
+
+
+def build_prompts(tok: Any, docs: list[Doc], n: int, rng: random.Random, chat_frac: float,
+                  max_prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """``n`` prompts (token lists, ``tok``: a Hugging Face tokenizer with a chat template)
+    from ``docs``: a ``chat_frac`` share of ChatML instructions, the rest code prefixes to
+    continue; returns ``(prompts, kinds)``, kinds ``"chat"`` or ``"code"``."""
+    code_docs = [d for d in docs if d.source == "stdlib"] or docs
+    if n * chat_frac >= 500:
+        prefetch_functions(docs, min(16, os.cpu_count() or 1))
+    prompts, kinds = [], []
+    for _ in range(n):
+        kind = "chat" if rng.random() < chat_frac else "code"
+        for _try in range(50):  # many documents give no chat prompt: draw another
+            if kind == "chat":
+                msgs = chat_prompts(rng.choice(docs), rng, k=1)
+                if not msgs:
+                    continue
+                text = tok.apply_chat_template([{"role": "user", "content": msgs[0]}],
+                                               tokenize=False, add_generation_prompt=True)
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > max_prompt_tokens:
+                    continue
+            else:
+                ids = tok(code_prompt(rng.choice(code_docs), rng),
+                          add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+                if len(ids) < 8:
+                    continue
+            prompts.append(ids)
+            kinds.append(kind)
+            break
+    return prompts, kinds
