@@ -9,7 +9,6 @@ about 40 s the first time, then reused.  No vLLM engine starts here
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 
 from vllm_ddtree.demo.smollm import SmolLMUnavailable, ensure_smollm
 
-REPO = Path(__file__).resolve().parents[2]
 
 # The published z-lab drafter config keys (dflash-format.md section 2) this trainer writes.
 ZLAB_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
@@ -37,10 +35,9 @@ def smollm_dir():
 
 @pytest.fixture(scope="module")
 def train_drafter():
-    spec = importlib.util.spec_from_file_location("train_drafter", REPO / "scripts" / "train_drafter.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import train_drafter
+
+    return train_drafter
 
 
 def test_converted_folder(smollm_dir, one_thread):
