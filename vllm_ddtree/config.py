@@ -22,13 +22,46 @@ The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After
 validation vLLM sees ``method="dflash"`` with ``num_speculative_tokens=B``;
 the fields ``ddtree_enabled=True`` and ``ddtree_depth=D`` mark the config as
 DDTree and travel with it (pickle, deepcopy, ``vllm.config.utils.replace``).
+
+Bounds (refused with a :class:`DDTreeConfigError` naming the field and the limit):
+
+* ``1 <= B <= MAX_BUDGET`` (2047) on both paths.  One request verifies ``1 + B`` rows.
+  GPU: the verify-row kernel (:func:`vllm_ddtree.gpu.verify_rows.fill_tree_rows`) holds
+  one request's ancestor bits, ``(1 + B) x (1 + B) / 32`` words rounded up to powers of
+  two, in one Triton program: at ``1 + B = 2048`` its first compilation took about 24 s
+  on an H200, at 4096 it had not finished after 7 minutes.  The tree build has no limit
+  of its own (the one-launch Triton build takes the widths whose sorts fit one program,
+  :data:`vllm_ddtree.kernels.tree_build.MAX_SORT`, the torch build any other; its packed
+  tie codes need ``width * min(width, vocab) < 2**32``), nor has tree attention (it tiles
+  the rows).  CPU: no kernel limit; the same bound keeps a configuration portable
+  between the paths (and the CPU path's dense per-request masks grow as ``(1 + B)**2``).
+* ``B <= vocab_size`` of the target: each depth offers at most ``vocab_size``
+  candidates, so a wider tree only adds ever-deeper paths of vanishing probability
+  (never binding for real vocabularies, far above :data:`MAX_BUDGET`).
+* ``ddtree_max_depth <= block_size - 1``: the drafter drafts ``block_size - 1`` mask
+  positions per pass; a larger cap is refused rather than clamped, so a configuration
+  never asks for a depth it cannot get.  (``ddtree_max_depth`` above ``B`` is a cap
+  that does not bind: ``D = B``.)
+* At engine start (vLLM builds its scheduler config after this one), one request's
+  verify rows must fit the scheduler's per-step token budget:
+  :func:`check_verify_fits`.
+
+Start-up faults of a local drafter folder fail here too, naming the file: a
+``config.json`` that is no JSON object or holds fields of the wrong type
+(:func:`check_drafter_types`), safetensors files that are unreadable or truncated, or
+that hold NaN/inf values (:func:`check_safetensors`; the scan reads every drafter
+weight once at start-up, see :func:`check_finite`).  Hub ids are validated from the
+config vLLM fetched; their weights are not scanned (vLLM downloads them later), and at
+run time trees drafted from NaN/inf logits are dropped (:mod:`vllm_ddtree.drafter_faults`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +74,10 @@ DEPTH_FIELD = "ddtree_depth"
 MAX_DEPTH_FIELD = "ddtree_max_depth"
 ADAPTIVE_FIELD = "ddtree_adaptive_budget"
 ONLINE = "online"  # ddtree_adaptive_budget value of the run-time re-tuned schedule
+CHANNEL_FIELD = "ddtree_online_channel"
+
+#: Largest tree budget B on every path (module docstring, "Bounds").
+MAX_BUDGET = 2047
 
 
 @dataclass(frozen=True)
@@ -59,7 +96,8 @@ EXTRA_FIELDS: tuple[ExtraField, ...] = (
         MAX_DEPTH_FIELD,
         int | None,
         None,
-        "DDTree only: upper bound on the tree depth D (default: block_size - 1).",
+        "DDTree only: upper bound on the tree depth D (default: block_size - 1), "
+        "between 1 and the drafter's block_size - 1 (refused above).",
     ),
     ExtraField(
         ADAPTIVE_FIELD,
@@ -82,6 +120,14 @@ EXTRA_FIELDS: tuple[ExtraField, ...] = (
         int | None,
         None,
         "Set by vllm-ddtree: the resolved tree depth D.",
+    ),
+    ExtraField(
+        CHANNEL_FIELD,
+        str | None,
+        None,
+        "Set by vllm-ddtree for ddtree_adaptive_budget='online': the random name of the "
+        "worker -> scheduler statistics channel (vllm_ddtree.adaptive.channel), drawn "
+        "once when the config is built so every process's copy names the same channel.",
     ),
 )
 
@@ -111,7 +157,7 @@ class TargetInfo:
 
 
 def check_num_speculative_tokens(value: Any) -> int:
-    """The budget B must be an int >= 1; returns it."""
+    """The budget B must be an int in ``[1, MAX_BUDGET]``; returns it."""
     if value is None:
         raise DDTreeConfigError(
             "speculative_config.num_speculative_tokens is missing: method='ddtree' "
@@ -123,6 +169,64 @@ def check_num_speculative_tokens(value: Any) -> int:
             f"speculative_config.num_speculative_tokens={value!r} is invalid for "
             "method='ddtree': the tree budget B must be an integer >= 1. "
             'Set e.g. "num_speculative_tokens": 16.'
+        )
+    if value > MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"speculative_config.num_speculative_tokens={value} exceeds the largest tree "
+            f"budget method='ddtree' supports, {MAX_BUDGET} (one request verifies 1 + B "
+            "rows, which the GPU verify-row kernel holds in one Triton program). Set "
+            f"num_speculative_tokens <= {MAX_BUDGET}; budgets of 16 to 256 are the "
+            "measured range."
+        )
+    return value
+
+
+def check_budget_fits_vocab(budget: int, target: TargetInfo) -> None:
+    """B at most the target's vocabulary size (module docstring, "Bounds")."""
+    vocab = target.vocab_size
+    if _is_int(vocab) and budget > vocab:
+        raise DDTreeConfigError(
+            f"speculative_config.num_speculative_tokens={budget} exceeds the target "
+            f"{target.architecture} vocab_size={vocab}: each tree depth offers at most "
+            f"{vocab} candidates. Set num_speculative_tokens <= {vocab}."
+        )
+
+
+def check_verify_fits(budget: int, drafting_slots: int, max_num_batched_tokens: int,
+                      max_num_scheduled_tokens: int | None) -> None:
+    """One request's ``1 + B`` verify rows must fit a scheduler step: vLLM schedules a
+    decode within ``max_num_scheduled_tokens`` and, where it reserves them,
+    ``max_num_batched_tokens`` less the drafter's slots (``drafting_slots``: vLLM's
+    ``max_num_new_slots_for_drafting``).  A tree that does not fit is cut to the step's
+    leftover tokens every step, and a second request waits for the next step.  Checked
+    when the scheduler is built (its config comes after the speculative config)."""
+    room = max_num_batched_tokens - drafting_slots
+    if max_num_scheduled_tokens is not None:
+        room = min(room, max_num_scheduled_tokens)
+    if 1 + budget > room:
+        raise DDTreeConfigError(
+            f"speculative_config.num_speculative_tokens={budget} needs {1 + budget} "
+            f"verify tokens per request and step, but the scheduler fits {room} "
+            f"(max_num_batched_tokens={max_num_batched_tokens}"
+            + (f", max_num_scheduled_tokens={max_num_scheduled_tokens}"
+               if max_num_scheduled_tokens is not None else "")
+            + f", {drafting_slots} reserved for the drafter). Set num_speculative_tokens "
+            f"<= {max(room - 1, 0)} or raise max_num_batched_tokens."
+        )
+
+
+_CHANNEL_NAME = re.compile(r"[0-9A-Za-z]{1,64}")
+
+
+def check_channel_name(value: Any) -> str | None:
+    """``ddtree_online_channel`` is None or 1-64 letters and digits (it names a
+    directory, so no separators or dots); returns it."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _CHANNEL_NAME.fullmatch(value):
+        raise DDTreeConfigError(
+            f"speculative_config.{CHANNEL_FIELD}={value!r} is invalid: it must be 1 to 64 "
+            "letters and digits. Omit it: vllm-ddtree draws a random one."
         )
     return value
 
@@ -228,6 +332,7 @@ def load_drafter_config(model: str | None) -> dict[str, Any] | None:
         raise DDTreeConfigError(
             f"speculative_config.model={model!r}: {config_path} is not a JSON object."
         )
+    check_drafter_types(data, f"speculative_config.model={model!r}: {config_path}")
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(path, name), model)
@@ -235,8 +340,10 @@ def load_drafter_config(model: str | None) -> dict[str, Any] | None:
 
 
 def check_safetensors(file: str, model: str) -> None:
-    """A safetensors file whose header is unreadable, or that is shorter than its header
-    says (an interrupted copy), fails here with its name rather than deep in the loader."""
+    """A safetensors file whose header is unreadable, that is shorter than its header
+    says (an interrupted copy), or whose floating-point tensors hold NaN/inf
+    (:func:`check_finite`) fails here with its name rather than deep in the loader or
+    as a drafter that never gets a token accepted."""
     where = f"speculative_config.model={model!r}: drafter weights {file}"
     size = os.path.getsize(file)
     try:
@@ -245,14 +352,70 @@ def check_safetensors(file: str, model: str) -> None:
             if size < 8 or n <= 0 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit in {size} bytes")
             header = json.loads(f.read(n))
-        end = max((int(t["data_offsets"][1]) for k, t in header.items()
-                   if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        tensors = {k: (str(t["dtype"]), int(t["data_offsets"][0]), int(t["data_offsets"][1]))
+                   for k, t in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise DDTreeConfigError(f"{where} is not a readable safetensors file ({e}).") from None
+    end = max((stop for _, _, stop in tensors.values()), default=0)
     if size < 8 + n + end:
         raise DDTreeConfigError(
             f"{where} is truncated: {size} bytes, its header describes {8 + n + end}. "
             "Copy or download the drafter again.")
+    info = os.stat(file)
+    bad = check_finite(os.path.realpath(file), info.st_size, info.st_mtime_ns, 8 + n,
+                       tuple(sorted(tensors.items())))
+    if bad is not None:
+        raise DDTreeConfigError(
+            f"{where} holds NaN/inf values in tensor {bad!r}: the drafter checkpoint is "
+            "corrupt (or its training diverged). Export or download it again.")
+
+
+#: Non-finite test per safetensors float dtype: ``(bits view, mask)``; a value is
+#: NaN/inf iff ``bits & mask == mask`` (exponent all ones; float8 e4m3 has NaN only,
+#: exponent and mantissa all ones).
+_NONFINITE_BITS = {
+    "F64": ("<u8", 0x7FF0000000000000),
+    "F32": ("<u4", 0x7F800000),
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),
+}
+_SCAN_CHUNK = 1 << 24  # elements per step: bounded temporaries whatever the tensor
+
+
+@functools.lru_cache(maxsize=64)
+def check_finite(file: str, size: int, mtime_ns: int, data_start: int,
+                 tensors: tuple[tuple[str, tuple[str, int, int]], ...]) -> str | None:
+    """The first tensor (by name) of a safetensors file holding NaN/inf, else None.
+
+    ``tensors``: ``(name, (dtype, begin, end))`` with offsets from ``data_start``;
+    integer tensors are skipped.  Reads the bits through a read-only memory map, in
+    chunks of :data:`_SCAN_CHUNK` elements, once per file and process (cached by path,
+    size and modification time, so a config validated again does not scan again).
+    Cost: 0.13 to 0.3 s for 512 MB of bf16 from the page cache on one CPU core, i.e.
+    well under a second for a 1 GB drafter, plus reading the file once from disk; the
+    pages stay cached for vLLM's loader right after, which reads the same file.  Worth
+    it at start-up: a drafter with NaN/inf weights otherwise serves with every affected
+    tree dropped (:mod:`vllm_ddtree.drafter_faults`), correct but never faster, and a
+    broken checkpoint is best named before the target's weights load."""
+    import numpy as np
+
+    del size, mtime_ns  # cache key only
+    for name, (dtype, begin, end) in tensors:
+        kind = _NONFINITE_BITS.get(dtype)
+        if kind is None or end <= begin:
+            continue
+        view, mask = kind
+        count = (end - begin) // np.dtype(view).itemsize
+        bits = np.memmap(file, dtype=view, mode="r", offset=data_start + begin,
+                         shape=(count,))
+        ones = bits.dtype.type(mask)
+        for start in range(0, count, _SCAN_CHUNK):
+            if np.any(np.bitwise_and(bits[start:start + _SCAN_CHUNK], ones) == ones):
+                return name
+        del bits
+    return None
 
 
 def _get(cfg: dict[str, Any], key: str) -> Any:
@@ -266,9 +429,59 @@ def _get(cfg: dict[str, Any], key: str) -> Any:
     return None
 
 
+#: Drafter ``config.json`` fields vLLM builds the drafter from, by expected type.
+_POSITIVE_INT_FIELDS = (
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+    "num_target_layers", "target_hidden_size", "draft_vocab_size",
+)
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_drafter_types(drafter: dict[str, Any], where: str) -> None:
+    """Fields of the wrong type (``"num_hidden_layers": "five"``, a string hidden size)
+    fail here with the field's name, before transformers' or vLLM's parsers see them.
+    Checked at the top level and in ``dflash_config`` / ``text_config``; absent or
+    null fields are left to the checks that need them (``block_size``) and to vLLM's
+    defaults."""
+    sections = [("", drafter)] + [
+        (f"{name}.", drafter[name]) for name in ("dflash_config", "text_config")
+        if isinstance(drafter.get(name), dict)]
+    for prefix, section in sections:
+        for key in _POSITIVE_INT_FIELDS:
+            value = section.get(key)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise DDTreeConfigError(
+                    f"{where} has {prefix}{key}={value!r}: it must be an integer >= 1.")
+        for key in _NUMBER_FIELDS:
+            value = section.get(key)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise DDTreeConfigError(
+                    f"{where} has {prefix}{key}={value!r}: it must be a number.")
+    dflash = drafter.get("dflash_config")
+    if isinstance(dflash, dict):
+        mask = dflash.get("mask_token_id")
+        if mask is not None and (not _is_int(mask) or mask < 0):
+            raise DDTreeConfigError(
+                f"{where} has dflash_config.mask_token_id={mask!r}: it must be an "
+                "integer >= 0.")
+        layers = dflash.get("target_layer_ids")
+        if layers is not None and (not isinstance(layers, list) or not all(
+                _is_int(i) and i >= 0 for i in layers)):
+            raise DDTreeConfigError(
+                f"{where} has dflash_config.target_layer_ids={layers!r}: it must be a "
+                "list of integers >= 0.")
+
+
 def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> int:
     """Validate a DFlash drafter config against the target; returns its block_size."""
     where = f"speculative_config.model={model!r}"
+    check_drafter_types(drafter, f"{where}: config.json")
     archs = drafter.get("architectures") or []
     if not any(
         str(a).startswith("DFlash") or a in _DFLASH_EXTRA_ARCHITECTURES for a in archs
@@ -319,7 +532,15 @@ def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> in
 
 
 def resolve_depth(budget: int, block_size: int, max_depth: int | None) -> int:
-    """``D = min(block_size - 1, B, ddtree_max_depth)``."""
+    """``D = min(block_size - 1, B, ddtree_max_depth)``; a ``ddtree_max_depth`` above
+    the drafter's ``block_size - 1`` is refused (module docstring, "Bounds")."""
+    if max_depth is not None and max_depth > block_size - 1:
+        raise DDTreeConfigError(
+            f"speculative_config.{MAX_DEPTH_FIELD}={max_depth} exceeds what the drafter "
+            f"can draft: block_size - 1 = {block_size - 1} (its block_size is "
+            f"{block_size}). Set {MAX_DEPTH_FIELD} <= {block_size - 1}, or omit it for "
+            "that depth."
+        )
     cap = math.inf if max_depth is None else max_depth
     return int(min(block_size - 1, budget, cap))
 

@@ -54,7 +54,8 @@ class OnlineSchedule:
 
 class OnlineTuner:
     """Scheduler side: every ``every`` calls, fold the channel's new sums into the
-    policy and re-fill the lookup.  Pure Python, a few microseconds per call."""
+    policy and re-fill the lookup, and remove the channel's file once the worker has
+    attached.  Pure Python, a few microseconds per call."""
 
     def __init__(self, schedule: OnlineSchedule, channel: StatsChannel, every: int = 16):
         self.schedule, self.channel, self.every = schedule, channel, every
@@ -65,6 +66,7 @@ class OnlineTuner:
         self._calls += 1
         if self._calls % self.every:
             return
+        self.channel.remove_once_attached()
         steps, reqs, sums = self.channel.read()
         s0, r0, u0 = self._last
         if steps > s0:

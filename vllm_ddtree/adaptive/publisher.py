@@ -7,7 +7,7 @@ vLLM's CUDA graph on the GPU.  :meth:`publish`, once per step outside the graph,
 the batch's rows into pinned memory with an asynchronous copy and folds the previous
 step's copy into the shared-memory channel once its event has completed: no
 device-to-host sync.  Only tensor-parallel rank 0 publishes (every rank builds the same
-trees).  Imports vLLM only in :func:`make_publisher`, lazily.
+trees).  Imports vLLM lazily (:func:`make_publisher`, the refusal warning).
 """
 
 from __future__ import annotations
@@ -16,15 +16,28 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.adaptive.channel import StatsChannel
+from vllm_ddtree.adaptive.channel import (
+    ChannelAddress,
+    ChannelRefused,
+    StatsChannel,
+    channel_dir_name,
+)
 from vllm_ddtree.adaptive.schedule import candidates
 
 ATTACH_TRIES = 64  # steps to wait for the scheduler's channel before giving up
 
 
+def _warn(message: str, *args: Any) -> None:
+    from vllm.logger import init_logger
+
+    init_logger(__name__).warning(message, *args)
+
+
 class ExpectationPublisher:
+    """``address``: the scheduler's channel, None to publish nothing."""
+
     def __init__(self, max_budget: int, depth: int, max_reqs: int,
-                 device: torch.device | str, engine_pid: int | None):
+                 device: torch.device | str, address: ChannelAddress | None):
         self.budgets = candidates(max_budget, depth)
         device = torch.device(device)
         self.idx = torch.tensor([b - 1 for b in self.budgets], device=device)
@@ -33,7 +46,7 @@ class ExpectationPublisher:
         cuda = device.type == "cuda"
         self.host = torch.zeros(len(self.budgets), dtype=torch.float32, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
-        self.name = None if engine_pid is None else StatsChannel.name_for(engine_pid)
+        self.address = address
         self.channel: StatsChannel | None = None
         self._pending = 0
         self._tries = 0
@@ -45,7 +58,7 @@ class ExpectationPublisher:
         self.rows[:n].copy_(scores.exp().cumsum(dim=1).index_select(1, self.idx))
 
     def publish(self, num_reqs: int) -> None:
-        if self.name is None:
+        if self.address is None:
             return
         if self._pending and (self.event is None or self.event.query()):
             channel = self._attach()
@@ -59,13 +72,17 @@ class ExpectationPublisher:
             self._pending = num_reqs
 
     def _attach(self) -> StatsChannel | None:
-        if self.channel is None and self._tries < ATTACH_TRIES:
+        if self.channel is None and self.address is not None:
             try:
-                self.channel = StatsChannel(self.name, len(self.budgets), create=False)
+                self.channel = StatsChannel.attach(self.address, len(self.budgets))
             except FileNotFoundError:
                 self._tries += 1
                 if self._tries == ATTACH_TRIES:
-                    self.name = None  # no scheduler side: stop publishing
+                    self.address = None  # no scheduler side: stop publishing
+            except ChannelRefused as refusal:
+                _warn("vllm-ddtree: ddtree_adaptive_budget='online': refusing the "
+                      "statistics channel (%s); the budget schedule stays static.", refusal)
+                self.address = None
         return self.channel
 
     def close(self) -> None:
@@ -80,8 +97,10 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
     ``ddtree_adaptive_budget: "online"`` (else None).  Publishes on tensor-parallel rank 0
     only, to the scheduler's process: this process with vLLM's in-process executor
     (``uni``), the parent with its multiprocess one (``mp``); other executors (Ray) get
-    the static schedule, with a warning."""
-    from vllm_ddtree.config import ddtree_params, is_online
+    the static schedule, with a warning.  The channel is the one named by the config's
+    ``ddtree_online_channel`` for this data-parallel replica, and it must have been
+    created by that scheduler process (:meth:`StatsChannel.attach`)."""
+    from vllm_ddtree.config import CHANNEL_FIELD, ddtree_params, is_online
 
     spec = vllm_config.speculative_config
     if not is_online(spec):
@@ -89,16 +108,19 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
     import os
 
     from vllm.distributed import get_tensor_model_parallel_rank
-    from vllm.logger import init_logger
 
-    backend = vllm_config.parallel_config.distributed_executor_backend
+    parallel = vllm_config.parallel_config
+    backend = parallel.distributed_executor_backend
     pid = {"uni": os.getpid(), "mp": os.getppid()}.get(backend) \
         if isinstance(backend, str) else None
+    name = getattr(spec, CHANNEL_FIELD, None)
+    address = None
     if get_tensor_model_parallel_rank() != 0:
-        pid = None  # every rank builds the same trees: rank 0 speaks for all
+        pass  # every rank builds the same trees: rank 0 speaks for all
     elif pid is None:
-        init_logger(__name__).warning(
-            "vllm-ddtree: ddtree_adaptive_budget='online' needs vLLM's 'uni' or 'mp' "
-            "executor (got %r): the budget schedule stays static.", backend)
+        _warn("vllm-ddtree: ddtree_adaptive_budget='online' needs vLLM's 'uni' or 'mp' "
+              "executor (got %r): the budget schedule stays static.", backend)
+    elif name is not None:  # (without one the scheduler has no channel either, and says so)
+        address = ChannelAddress(channel_dir_name(name, parallel.data_parallel_rank), pid)
     budget, depth = ddtree_params(spec)
-    return ExpectationPublisher(budget, depth, max_reqs, device, pid)
+    return ExpectationPublisher(budget, depth, max_reqs, device, address)
