@@ -17,6 +17,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests need a CUDA device: skip them, with the reason, elsewhere (so
+    ``python3 -m pytest tests/gpu -m gpu`` on a GPU machine runs them all)."""
+    if _gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        # the marker, not item.keywords: keywords also hold folder names (tests/gpu)
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A per-module folder for generated model fixtures."""

@@ -8,23 +8,25 @@ import torch
 
 from vllm_ddtree.gpu.buffers import TreeBuffers, needs_chain
 from vllm_ddtree.gpu.verify_rows import causal_words
-from vllm_ddtree.cpu.tree_store import walk_lists
 from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree.reference import walk_tree_ref
 
 B, D, V = 12, 4, 30
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton walk runs
 
 
-def _step(seed):
+def _step(seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    tb = TreeBuffers(max_num_reqs=6, max_num_tokens=64, budget=B, depth=D, device="cpu")
-    logits = torch.randn(3, D, V, generator=g) * 3
+    tb = TreeBuffers(max_num_reqs=6, max_num_tokens=64, budget=B, max_depth=D, device=device)
+    logits = (torch.randn(3, D, V, generator=g) * 3).to(device)
     tree = build_tree(logits, B)
-    draft_tokens = torch.zeros(6, B, dtype=torch.int64)
+    draft_tokens = torch.zeros(6, B, dtype=torch.int64, device=device)
     tb.store_batch(tree, logits, draft_tokens)
-    tb.apply_chain_fallback(torch.tensor([2]), draft_tokens)  # batch row 2: a chain
-    idx_propose = torch.tensor([3, 0, 5], dtype=torch.int32)  # request states
+    # batch row 2: a chain
+    tb.apply_chain_fallback(torch.tensor([2], device=device), draft_tokens)
+    idx_propose = torch.tensor([3, 0, 5], dtype=torch.int32, device=device)  # request states
     tb.commit(idx_propose, 3)
-    state_tokens = torch.zeros(6, B, dtype=torch.int64)
+    state_tokens = torch.zeros(6, B, dtype=torch.int64, device=device)
     state_tokens[idx_propose.long()] = draft_tokens[:3]
     return g, tb, tree, state_tokens, logits
 
@@ -37,7 +39,7 @@ def test_store_commit_and_chain_fallback():
     assert torch.equal(state_tokens[5, :D], chain)
     assert torch.equal(tb.walk_tokens[5, D:], torch.full((B - D,), -1))
     assert torch.equal(tb.parents[5], torch.arange(B))
-    assert torch.equal(tb.bits[5], causal_words(torch.arange(B + 1), tb.NW))
+    assert torch.equal(tb.ancestor_bits[5], causal_words(torch.arange(B + 1), tb.num_words))
 
 
 def test_verify_step_matches_reference_walk():
@@ -56,10 +58,10 @@ def test_verify_step_matches_reference_walk():
     tb.fill_rows(qs, cu, idx, pos, 4, T)
     li = torch.cat([qs[b + 1] - n_logits[b] + torch.arange(n_logits[b]) for b in range(4)])
     # RoPE: tree rows at root + depth; chain rows linear; the prefill chunk untouched
-    assert torch.equal(tb.rope[qs[3]:qs[4]], 70 + tb.depth[3])
-    assert torch.equal(tb.rope[qs[0]:qs[1]], pos[qs[0]:qs[1]])
-    assert torch.equal(tb.rope[qs[1]:qs[2]], pos[qs[1]:qs[2]])
-    assert torch.equal(tb.row_bits[qs[1]:qs[2]], causal_words(torch.arange(4), tb.NW))
+    assert torch.equal(tb.row_positions[qs[3]:qs[4]], 70 + tb.depths[3])
+    assert torch.equal(tb.row_positions[qs[0]:qs[1]], pos[qs[0]:qs[1]])
+    assert torch.equal(tb.row_positions[qs[1]:qs[2]], pos[qs[1]:qs[2]])
+    assert torch.equal(tb.row_bits[qs[1]:qs[2]], causal_words(torch.arange(4), tb.num_words))
     # the target follows the tree for a while at every request, then deviates
     targets = torch.randint(0, V, (L,), generator=g)
     for b in (0, 2, 3):
@@ -78,8 +80,9 @@ def test_verify_step_matches_reference_walk():
         s = order[b]
         rows = targets[cu[b]:cu[b + 1]].tolist()
         nd = n_drafts[b]
-        wt = [t if j < nd else -1 for j, t in enumerate(tb.walk_tokens[s].tolist())]
-        path, bonus = walk_lists(wt[:nd], tb.parents[s].tolist()[:nd], rows)
+        nodes = list(zip(tb.walk_tokens[s].tolist(), tb.parents[s].tolist(),
+                         tb.depths[s, 1:].tolist()))[:nd]  # the scheduled nodes
+        path, bonus = walk_tree_ref(nodes, rows)
         k = len(path)
         assert int(acc.num_accepted[b]) == k
         assert acc.path[b, :k].tolist() == path
@@ -123,7 +126,7 @@ def test_fused_walk_kernel_matches_torch_walk():
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
     for seed in range(3):
-        g, tb, tree, _, _ = _step(seed)
+        g, tb, tree, _, _ = _step(seed, DEV)
         order = [5, 1, 0, 3]
         n_logits = [B + 1, 1, 8, B + 1]
         cu = torch.tensor([0] + torch.tensor(n_logits).cumsum(0).tolist(), dtype=torch.int32)
@@ -138,6 +141,7 @@ def test_fused_walk_kernel_matches_torch_walk():
                     break
                 targets[cu[b] + cur] = toks[kids[0]]
                 cur = kids[0] + 1
+        targets, cu, idx = targets.to(DEV), cu.to(DEV), idx.to(DEV)
         ref_sampled, ref = tb.walk(targets, cu, idx, 4, impl="torch")
         got_sampled, got = tb.walk(targets, cu, idx, 4, impl="triton")
         assert torch.equal(got_sampled, ref_sampled)
@@ -151,7 +155,7 @@ def test_nonfinite_draft_logits_give_bonus_only_steps():
     """A request whose draft logits hold NaN/inf gets an empty tree (and an empty chain when
     it falls back): every draft slot holds a valid token id but none can be accepted, so
     the step commits the target's bonus token; the device counter counts it."""
-    tb = TreeBuffers(max_num_reqs=4, max_num_tokens=64, budget=B, depth=D, device="cpu")
+    tb = TreeBuffers(max_num_reqs=4, max_num_tokens=64, budget=B, max_depth=D, device="cpu")
     logits = torch.randn(3, D, V, generator=torch.Generator().manual_seed(3))
     logits[1, 2, 5] = float("nan")
     logits[2, 0, 7] = float("inf")
@@ -159,9 +163,9 @@ def test_nonfinite_draft_logits_give_bonus_only_steps():
     draft_tokens = torch.full((4, B), -7, dtype=torch.int64)
     tb.store_batch(tree, logits, draft_tokens)
     tb.apply_chain_fallback(torch.tensor([2]), draft_tokens)  # request 2 verified as a chain
-    assert int(tb.nonfinite) == 2
-    assert (tb.b_walk[0] >= 0).any()  # the finite request keeps its tree
-    assert (tb.b_walk[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
+    assert int(tb.num_nonfinite) == 2
+    assert (tb.batch_walk_tokens[0] >= 0).any()  # the finite request keeps its tree
+    assert (tb.batch_walk_tokens[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
     assert (draft_tokens[:3] >= 0).all()  # but the target is fed real token ids
     idx = torch.arange(3, dtype=torch.int32)
     tb.commit(idx, 3)

@@ -51,7 +51,7 @@ def test_verifier_accepts_the_runner_call():
 class _Tree:
     def __init__(self):
         self.commits = 0
-        self.nonfinite = SimpleNamespace(zero_=lambda: None)
+        self.num_nonfinite = SimpleNamespace(zero_=lambda: None)
         self.chain_flag = np.zeros(4, dtype=bool)
 
     def take_accepted(self):
@@ -74,12 +74,12 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
 
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **k: "drafts")
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    spec.tree, spec.online = _Tree(), None
+    spec.tree_buffers, spec.online = _Tree(), None
     spec._report_nonfinite = lambda: None
     batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), idx_mapping=None)
     out = spec.propose(batch, None, None, None, None, None, None, **kwargs)
     assert out == "drafts"
-    assert spec.tree.commits == commits
+    assert spec.tree_buffers.commits == commits
 
 
 @pytest.mark.parametrize("engine_chain", [None, "custom logits processors"])
@@ -95,48 +95,55 @@ def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
 
     monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
     state = DDTreeModelState.__new__(DDTreeModelState)
-    state.tree = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6, depth=3,
-                             device="cpu")
+    tree_buffers = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6, max_depth=3,
+                               device="cpu")
+    state.tree_buffers = tree_buffers
     state._engine_chain = engine_chain
-    state.tree.walk_tokens[2] = torch.arange(6)  # the previous request's tree
-    state.tree.walk_tokens[1] = 7  # another live request's tree
+    tree_buffers.walk_tokens[2] = torch.arange(6)  # the previous request's tree
+    tree_buffers.walk_tokens[1] = 7  # another live request's tree
     state.add_request(2, SimpleNamespace(sampling_params=None))
-    assert state.tree.walk_tokens[2].tolist() == [-1] * 6
-    assert state.tree.walk_tokens[1].tolist() == [7] * 6  # untouched
-    assert bool(state.tree.chain_flag[2]) == (engine_chain is not None)
+    assert tree_buffers.walk_tokens[2].tolist() == [-1] * 6
+    assert tree_buffers.walk_tokens[1].tolist() == [7] * 6  # untouched
+    assert bool(tree_buffers.chain_flag[2]) == (engine_chain is not None)
 
 
 def test_chain_warning_is_left_for_the_first_real_request(monkeypatch):
     """vLLM's kernel warm-up sends requests with every sampling feature (penalties too):
     they are verified as a chain, but the one-time warning must wait for a user's request
-    (on the H200 it fired at start-up and then never for real penalty requests)."""
+    (otherwise it is spent at start-up and never shows for real penalty requests).  The
+    dedup is vLLM's warning_once (by message and arguments: one warning per reason)."""
+    from vllm import logger as vllm_logger
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
     from vllm_ddtree.gpu import model_state as ms
     from vllm_ddtree.gpu.buffers import TreeBuffers
 
     monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
-    monkeypatch.setattr(ms, "_logged", set())
+    vllm_logger._print_warning_once.cache_clear()  # forget earlier tests' warnings
     warned = []
-    monkeypatch.setattr(ms._logger, "warning", lambda msg, *a: warned.append(msg % a))
+    monkeypatch.setattr(ms.logger, "warning", lambda msg, *a, **_: warned.append(msg % a))
     state = ms.DDTreeModelState.__new__(ms.DDTreeModelState)
-    state.tree = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6, depth=3,
-                             device="cpu")
+    state.tree_buffers = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6,
+                                     max_depth=3, device="cpu")
     state._engine_chain = None
     penalty = SimpleNamespace(repetition_penalty=1.2, presence_penalty=0.0,
                               frequency_penalty=0.0)
     state.add_request(0, SimpleNamespace(req_id="_warmup_0_", sampling_params=penalty))
-    assert bool(state.tree.chain_flag[0]) and warned == []
+    assert bool(state.tree_buffers.chain_flag[0]) and warned == []
     state.add_request(1, SimpleNamespace(req_id="cmpl-1", sampling_params=penalty))
     state.add_request(2, SimpleNamespace(req_id="cmpl-2", sampling_params=penalty))
-    assert bool(state.tree.chain_flag[1]) and len(warned) == 1 and "penalties" in warned[0]
+    assert bool(state.tree_buffers.chain_flag[1]) and len(warned) == 1
+    assert "penalties" in warned[0]
+    state.add_request(3, SimpleNamespace(req_id="cmpl-3",
+                                         sampling_params=SimpleNamespace(bad_words=["x"])))
+    assert len(warned) == 2 and "bad words" in warned[1]  # a new reason: a new warning
 
 
 def test_drafter_graphs_ignore_the_per_batch_size_schedule(monkeypatch):
     """ddtree_adaptive_budget gives vLLM a per-batch-size schedule of budgets; vLLM's
     graph manager reads it as the drafter's query width (1 + budget), but the DDTree
-    drafter always runs 1 + D rows per request.  vLLM 0.26 then derived negative widths
-    and failed a capture assertion on the H200 (session 7).  The manager must be built
+    drafter always runs 1 + D rows per request.  vLLM 0.26 then derives negative widths
+    and fails a capture assertion.  The manager must be built
     with no schedule in sight, and the schedule must be back afterwards."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
@@ -164,3 +171,143 @@ def test_drafter_graphs_ignore_the_per_batch_size_schedule(monkeypatch):
     DDTreeSpeculator.init_cudagraph_manager(sp, CUDAGraphMode.FULL_AND_PIECEWISE)
     assert seen == [(False, 16, CUDAGraphMode.FULL_DECODE_ONLY)]
     assert spec.num_speculative_tokens_per_batch_size is schedule
+
+
+def _attention_layer():
+    """A target-shaped ``Attention`` on FlashAttention, without vLLM's constructor."""
+    import torch
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    layer = Attention.__new__(Attention)
+    torch.nn.Module.__init__(layer)
+    impl = fa.FlashAttentionImpl.__new__(fa.FlashAttentionImpl)
+    impl.sliding_window, impl.alibi_slopes, impl.logits_soft_cap = (-1, -1), None, None
+    impl.sinks, impl.kv_cache_dtype, impl.head_size = None, "auto", 64
+    layer.impl, layer.attn_backend = impl, fa.FlashAttentionBackend
+    return layer
+
+
+@pytest.fixture
+def v2_stubs(monkeypatch):
+    """vLLM's V2 constructors that need a real engine, replaced by what the DDTree pieces
+    read from them."""
+    from vllm.v1.attention.backends import flash_attn as fa
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.gpu import verifier
+
+    def model_state_init(self, vllm_config, model, encoder_cache, device):
+        self.vllm_config, self.device, self.rope_state = vllm_config, device, None
+
+    monkeypatch.setattr(DFlashSpeculator, "load_model", lambda self, target: setattr(
+        self, "draft_attn_layer_names", {"draft.attn"}))
+    monkeypatch.setattr(DefaultModelState, "__init__", model_state_init)
+    monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
+    monkeypatch.setattr(verifier, "RejectionSampler", lambda *args: None)
+    monkeypatch.setattr(fa.FlashAttentionMetadataBuilder, "__init__",
+                        lambda self, spec, names, config, device: setattr(
+                            self, "layer_names", names))
+    monkeypatch.setattr(fa.FlashAttentionMetadataBuilder, "build",
+                        lambda self, *args, **kwargs: SimpleNamespace())
+    monkeypatch.setattr(fa, "get_flash_attn_version", lambda: 3)
+
+
+TARGET_LAYERS = ["model.layers.0.attn", "model.layers.1.attn"]
+
+
+def _engine():
+    """One engine's DDTree pieces, built the way vLLM's V2 runner builds them: the
+    speculator, then (after its load_model) the model state from the target model, its
+    verifier, and the target layers' attention metadata builder."""
+    import torch
+
+    from vllm_ddtree.gpu.buffers import TreeBuffers
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    forward_context = {name: _attention_layer() for name in [*TARGET_LAYERS, "draft.attn"]}
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=forward_context),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(logits_processors=None), speculative_config=None)
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.vllm_config = config
+    speculator.tree_buffers = TreeBuffers(max_num_reqs=4, max_num_tokens=32, budget=6,
+                                          max_depth=3, device="cpu")
+    target = torch.nn.Linear(1, 1)
+    speculator.load_model(target)
+    # vLLM's init_model_state: cls(vllm_config, model, encoder_cache, device)
+    state = target.get_model_state_cls()(config, target, None, "cpu")
+    _, verify = state.custom_sampler("sampler")
+    # vLLM's attention groups: one builder per backend, over that backend's layers
+    builder = forward_context[TARGET_LAYERS[0]].get_attn_backend().get_builder_cls()(
+        None, TARGET_LAYERS, config, "cpu")
+    return SimpleNamespace(speculator=speculator, tree_buffers=speculator.tree_buffers,
+                           layers=forward_context, state=state, verifier=verify,
+                           builder=builder)
+
+
+def test_two_engines_in_one_process_keep_their_own_buffers(v2_stubs):
+    """Each engine's TreeBuffers belong to its speculator and reach its model state,
+    verifier, attention layers and metadata builder through that engine's own objects
+    (target model, static_forward_context): a second engine in the same process neither
+    replaces nor reads the first one's."""
+    import torch
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBuilder
+
+    first, second = _engine(), _engine()
+    assert first.tree_buffers is not second.tree_buffers
+    for engine in (first, second):
+        mine = engine.tree_buffers
+        assert engine.state.tree_buffers is mine
+        assert engine.verifier.tree_buffers is mine
+        assert type(engine.builder) is DDTreeFlashAttentionBuilder
+        assert engine.builder._ddtree_buffers is mine
+        assert all(engine.layers[name].impl.tree_buffers is mine for name in TARGET_LAYERS)
+        drafter = engine.layers["draft.attn"]  # the drafter keeps vLLM's attention
+        assert drafter.attn_backend is FlashAttentionBackend
+        assert not hasattr(drafter.impl, "tree_buffers")
+
+    # one engine's step state drives only its own attention metadata
+    first.tree_buffers.step_has_trees, second.tree_buffers.step_has_trees = True, False
+    common = SimpleNamespace(num_reqs=2, query_start_loc=torch.tensor([0, 7, 14],
+                                                                      dtype=torch.int32),
+                             seq_lens=torch.tensor([20, 30], dtype=torch.int32),
+                             max_query_len=7)
+    meta = first.builder.build(0, common)
+    assert meta.ddtree.row_bits is first.tree_buffers.row_bits
+    assert meta.ddtree.max_rows == 7 and meta.ddtree.fused
+    assert meta.ddtree.prefix_lens.tolist() == [13, 23]
+    assert second.builder.build(0, common).ddtree is None
+
+    # the model state writes and reads only its own engine's buffers
+    for engine in (first, second):
+        engine.tree_buffers.walk_tokens[1] = 5
+    second.state.add_request(1, SimpleNamespace(req_id="r", sampling_params=None))
+    assert second.tree_buffers.walk_tokens[1].tolist() == [-1] * 6
+    assert first.tree_buffers.walk_tokens[1].tolist() == [5] * 6
+    positions = first.state.prepare_inputs(SimpleNamespace(num_tokens_after_padding=4),
+                                           None)["positions"]
+    assert positions.data_ptr() == first.tree_buffers.row_positions.data_ptr()
+
+
+def test_missing_buffer_wiring_fails_clearly(v2_stubs):
+    """A model state or tree attention builder whose engine never bound its buffers
+    refuses to start (instead of serving trees from another engine's, or none)."""
+    import torch
+
+    from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBuilder
+    from vllm_ddtree.gpu.model_state import DDTreeModelState
+
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={
+            name: _attention_layer() for name in TARGET_LAYERS}),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        model_config=SimpleNamespace(logits_processors=None))
+    with pytest.raises(RuntimeError, match="carries no DDTree buffers"):
+        DDTreeModelState(config, torch.nn.Linear(1, 1), None, "cpu")
+    with pytest.raises(RuntimeError, match="found no DDTree buffers"):
+        DDTreeFlashAttentionBuilder(None, TARGET_LAYERS, config, "cpu")

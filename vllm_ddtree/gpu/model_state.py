@@ -1,6 +1,9 @@
 """Target-side DDTree hooks for vLLM's Model Runner V2, through its ModelState
-interface (the target model returns this class from ``get_model_state_cls``, set by
-:class:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator.load_model`).
+interface.  :func:`bind_model_state` (called by
+:meth:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator.load_model`) makes the target model
+return this class from ``get_model_state_cls`` and carry its engine's
+:class:`~vllm_ddtree.gpu.buffers.TreeBuffers`; vLLM then builds the model state as
+``cls(vllm_config, model, encoder_cache, device)`` with that same model.
 
 * ``prepare_attn``: every verify row's ancestor bits and RoPE position
   (root + depth) go to persistent buffers; KV slots stay linear (vLLM computed them);
@@ -13,71 +16,118 @@ interface (the target model returns this class from ``get_model_state_cls``, set
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from vllm.logger import init_logger
-from vllm_ddtree.gpu import buffers as state_mod
-from vllm_ddtree.gpu.buffers import needs_chain
+from vllm_ddtree.gpu.buffers import TreeBuffers, needs_chain
 
-_logger = init_logger(__name__)
-_logged: set[str] = set()
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.states import RequestState
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_ddtree.gpu.verifier import DDTreeVerifier
+
+logger = init_logger(__name__)
+
 # vLLM's kernel warm-up requests (``v1/worker/gpu/warmup.py``: ids ``_warmup_{i}_`` with
 # ``SamplingParams.for_sampler_warmup()``, penalties included; 0.26 and 0.32 checked):
 # verified as a chain like any other, but not logged, so the one-time warning is left for
 # the first real request that needs it.
 _WARMUP_PREFIX = "_warmup_"
+# the target model's attribute that carries its engine's TreeBuffers to the model state
+_TREE_BUFFERS_ATTR = "ddtree_tree_buffers"
+
+
+def bind_model_state(target_model: nn.Module, tree_buffers: TreeBuffers) -> None:
+    """Make vLLM build ``target_model``'s ModelState as :class:`DDTreeModelState` over
+    ``tree_buffers`` (vLLM's ``init_model_state`` reads ``get_model_state_cls`` and
+    passes the model to the constructor)."""
+    setattr(target_model, _TREE_BUFFERS_ATTR, tree_buffers)
+    target_model.get_model_state_cls = lambda: DDTreeModelState
+
+
+def bound_tree_buffers(target_model: nn.Module) -> TreeBuffers:
+    """The buffers :func:`bind_model_state` attached to ``target_model``."""
+    tree_buffers = getattr(target_model, _TREE_BUFFERS_ATTR, None)
+    if not isinstance(tree_buffers, TreeBuffers):
+        raise RuntimeError(
+            f"vllm-ddtree: DDTreeModelState built for a {type(target_model).__name__} that "
+            "carries no DDTree buffers; DDTreeSpeculator.load_model binds them "
+            "(vllm_ddtree.gpu.model_state.bind_model_state) before vLLM builds the model "
+            "state.")
+    return tree_buffers
 
 
 class DDTreeModelState(DefaultModelState):
-    def __init__(self, vllm_config, model, encoder_cache, device):
+    def __init__(self, vllm_config: VllmConfig, model: nn.Module,
+                 encoder_cache: Any | None, device: torch.device) -> None:
         super().__init__(vllm_config, model, encoder_cache, device)
         if self.rope_state is not None:
             raise NotImplementedError(
                 "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
                 "supported yet; use method 'dflash' for this model.")
-        self.tree = state_mod.ACTIVE
-        if self.tree is None:
-            raise RuntimeError("vllm-ddtree: DDTreeModelState without a DDTree speculator")
+        self.tree_buffers = bound_tree_buffers(model)
         # vLLM 0.32+ loads engine-wide logits processors into the sampler; they read each
         # row's history as linear, so every request is verified as a chain
         self._engine_chain = ("custom logits processors (model_config.logits_processors)"
                               if getattr(vllm_config.model_config, "logits_processors", None)
                               else None)
 
-    def add_request(self, req_index, new_req_data) -> None:
+    def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         super().add_request(req_index, new_req_data)
         # the slot's previous request left its tree here; a placeholder-draft step before
         # this request's first tree must accept nothing (no host sync: a device fill)
-        self.tree.walk_tokens[req_index].fill_(-1)
+        self.tree_buffers.walk_tokens[req_index].fill_(-1)
         reason = self._engine_chain or needs_chain(getattr(new_req_data, "sampling_params",
                                                            None))
-        self.tree.chain_flag[req_index] = reason is not None
-        if (reason is not None and reason not in _logged
+        self.tree_buffers.chain_flag[req_index] = reason is not None
+        if (reason is not None
                 and not str(getattr(new_req_data, "req_id", "")).startswith(_WARMUP_PREFIX)):
-            _logged.add(reason)
-            _logger.warning(
+            logger.warning_once(
                 "vllm-ddtree: requests with %s are verified as a linear chain (the "
                 "drafter's top-1 path): exact, fewer accepted tokens; logged once.", reason)
 
-    def prepare_inputs(self, input_batch, req_states):
-        return {"positions": self.tree.rope[: input_batch.num_tokens_after_padding]}
+    def prepare_inputs(self, input_batch: InputBatch,
+                       req_states: RequestState) -> dict[str, torch.Tensor | None]:
+        return {"positions": self.tree_buffers.row_positions[
+            : input_batch.num_tokens_after_padding]}
 
-    def prepare_dummy_inputs(self, num_reqs, num_tokens):
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
         inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)
-        inputs["positions"] = self.tree.rope[:num_tokens]
+        inputs["positions"] = self.tree_buffers.row_positions[:num_tokens]
         return inputs
 
-    def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
-                     attn_groups, kv_cache_config, for_capture=False, **kwargs):
-        self.tree.fill_rows(input_batch.query_start_loc, input_batch.cu_num_logits,
-                            input_batch.idx_mapping, input_batch.positions,
-                            input_batch.num_reqs, input_batch.num_tokens_after_padding)
-        self.tree.step_has_trees = bool(for_capture or input_batch.num_draft_tokens > 0)
+    def prepare_attn(
+        self,
+        input_batch: InputBatch,
+        cudagraph_mode: CUDAGraphMode,
+        block_tables: tuple[torch.Tensor, ...],
+        slot_mappings: torch.Tensor,
+        attn_groups: list[list[AttentionGroup]],
+        kv_cache_config: KVCacheConfig,
+        for_capture: bool = False,
+        **kwargs: Any,  # vLLM 0.32+: ubatch_idx
+    ) -> dict[str, Any]:
+        tree_buffers = self.tree_buffers
+        tree_buffers.fill_rows(input_batch.query_start_loc, input_batch.cu_num_logits,
+                               input_batch.idx_mapping, input_batch.positions,
+                               input_batch.num_reqs, input_batch.num_tokens_after_padding)
+        tree_buffers.step_has_trees = bool(for_capture or input_batch.num_draft_tokens > 0)
         return super().prepare_attn(input_batch, cudagraph_mode, block_tables, slot_mappings,
                                     attn_groups, kv_cache_config, for_capture=for_capture,
                                     **kwargs)
 
-    def custom_sampler(self, sampler):
+    def custom_sampler(self, sampler: Any) -> tuple[Any, DDTreeVerifier]:
         from vllm_ddtree.gpu.verifier import DDTreeVerifier
 
-        return sampler, DDTreeVerifier(sampler, self.vllm_config, self.tree, self.device)
+        return sampler, DDTreeVerifier(sampler, self.vllm_config, self.tree_buffers,
+                                       self.device)

@@ -16,14 +16,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
+from vllm_ddtree.gpu.buffers import TreeBuffers
 
-def _returns_logprobs(sampler, idx_mapping_np) -> bool:
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+
+def _returns_logprobs(sampler: Sampler, idx_mapping_np: np.ndarray) -> bool:
     fn = getattr(sampler, "returns_logprobs", None)  # vLLM 0.26
     if fn is not None:
         return fn(idx_mapping_np)
@@ -33,11 +43,11 @@ def _returns_logprobs(sampler, idx_mapping_np) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _param_names(func) -> frozenset[str]:
+def _param_names(func: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(func).parameters)
 
 
-def _call_by_name(fn, **available):
+def _call_by_name(fn: Callable[..., Any], **available: Any) -> Any:
     """Call ``fn`` with the arguments its signature names (vLLM versions add and
     reorder arguments of these internal methods).  The signature is read once per
     function, not every step."""
@@ -50,62 +60,79 @@ class DDTreeVerifier:
     # is refused for DDTree configs: vllm_ddtree.config.check_runner_features)
     enable_adaptive_verification = False
 
-    def __init__(self, sampler, vllm_config, tree, device):
+    def __init__(self, sampler: Sampler, vllm_config: VllmConfig, tree_buffers: TreeBuffers,
+                 device: torch.device) -> None:
         self.sampler = sampler
-        self.tree = tree
+        self.tree_buffers = tree_buffers
         # vLLM's rejection sampler, used only for its logprobs helper
         self._stock = RejectionSampler(sampler, vllm_config.speculative_config, device)
 
-    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None,
-                 **_) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_logits, vocab]
+        input_batch: InputBatch,
+        draft_logits: torch.Tensor | None = None,
+        invalid_drafts: Any = None,
+        **_: Any,
+    ) -> SamplerOutput:
         """vLLM 0.32+ also passes ``invalid_drafts`` (drafts a grammar rejects).  Not
         needed here: requests with a grammar are verified as a chain, and each row's
         target token is drawn from grammar-masked logits, so a draft the grammar rejects
         never equals the target's token and the walk stops before it."""
-        s = self.sampler
+        sampler = self.sampler
         num_nans = None
-        if s.compute_nans:
+        if sampler.compute_nans:
             from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 
             num_nans = get_num_nans(logits)
-        li = input_batch.logits_indices
-        node_tokens = input_batch.input_ids[li]
-        pos = self.tree.rope[li]  # root position + depth
-        seq_ub = input_batch.seq_lens_cpu_upper_bound
-        wants_logprobs = _returns_logprobs(s, input_batch.idx_mapping_np)
+        logits_indices = input_batch.logits_indices
+        node_tokens = input_batch.input_ids[logits_indices]  # [num_logits]
+        node_positions = self.tree_buffers.row_positions[logits_indices]  # root + depth
+        seq_lens_upper_bound = input_batch.seq_lens_cpu_upper_bound
+        wants_logprobs = _returns_logprobs(sampler, input_batch.idx_mapping_np)
         targets, processed = _call_by_name(
-            s.sample, logits=logits, expanded_idx_mapping=input_batch.expanded_idx_mapping,
+            sampler.sample, logits=logits,
+            expanded_idx_mapping=input_batch.expanded_idx_mapping,
             idx_mapping=input_batch.idx_mapping, idx_mapping_np=input_batch.idx_mapping_np,
-            pos=pos, input_ids=node_tokens, expanded_local_pos=input_batch.expanded_local_pos,
-            seq_lens_upper_bound_np=seq_ub.numpy() if seq_ub is not None else None,
+            pos=node_positions, input_ids=node_tokens,
+            expanded_local_pos=input_batch.expanded_local_pos,
+            seq_lens_upper_bound_np=(seq_lens_upper_bound.numpy()
+                                     if seq_lens_upper_bound is not None else None),
             return_logprobs=wants_logprobs)
-        n = input_batch.num_reqs
-        sampled, acc = self.tree.walk(targets.view(-1), input_batch.cu_num_logits,
-                                      input_batch.idx_mapping, n)
-        num_sampled = acc.num_accepted.to(torch.int32)
+        num_reqs = input_batch.num_reqs
+        sampled, accepted = self.tree_buffers.walk(targets.view(-1), input_batch.cu_num_logits,
+                                                   input_batch.idx_mapping, num_reqs)
+        num_sampled = accepted.num_accepted.to(torch.int32)
 
         logprobs = None
         if wants_logprobs:
-            src = processed if s.logprobs_mode in ("processed_logprobs",
-                                                   "processed_logits") else logits
-            src = src[acc.src_logit_row]  # row cu + i = accepted row i
-            logprobs = self._logprobs(input_batch, sampled, num_sampled, src)
+            source = processed if sampler.logprobs_mode in ("processed_logprobs",
+                                                            "processed_logits") else logits
+            source = source[accepted.src_logit_row]  # row cu + i = accepted row i
+            logprobs = self._logprobs(input_batch, sampled, num_sampled, source)
 
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
-            input_batch.idx_mapping, s.req_states.prefill_len.gpu)
+            input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
 
-    def _logprobs(self, input_batch, sampled, num_sampled, logits):
-        fn = self._stock._get_logprobs_tensors
-        if "input_batch" in inspect.signature(fn).parameters:  # vLLM 0.26
-            return fn(input_batch, sampled, num_sampled, logits)
+    def _logprobs(
+        self,
+        input_batch: InputBatch,
+        sampled: torch.Tensor,  # [num_reqs, 1 + budget]
+        num_sampled: torch.Tensor,  # [num_reqs] int32
+        logits: torch.Tensor,  # [num_logits, vocab] permuted to the accepted path
+    ) -> Any:
+        get_logprobs = self._stock._get_logprobs_tensors
+        if "input_batch" in inspect.signature(get_logprobs).parameters:  # vLLM 0.26
+            return get_logprobs(input_batch, sampled, num_sampled, logits)
         from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-        max_lp = self.sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
-        if max_lp == NO_LOGPROBS:
+        max_num_logprobs = self.sampler.sampling_states.max_num_logprobs(
+            input_batch.idx_mapping_np)
+        if max_num_logprobs == NO_LOGPROBS:
             return None
-        return fn(sampled, num_sampled, logits, input_batch.cu_num_logits,
-                  input_batch.cu_num_logits_np, max_lp)
+        return get_logprobs(sampled, num_sampled, logits, input_batch.cu_num_logits,
+                            input_batch.cu_num_logits_np, max_num_logprobs)

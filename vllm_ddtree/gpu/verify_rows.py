@@ -5,95 +5,121 @@ A request whose every row is a logits row (``num_logits == q_len > 1``) is a tre
 verify: its row ``i`` is tree row ``i`` (0 = root).  Everything else (prefill chunks,
 draft-less decodes) is causal.
 
-* :func:`fill_tree_rows` writes, for every request with ``q_len <= W``, each row's
-  ancestor bits over its own request's rows (``[T, NW]`` int32) and, for tree requests,
-  the RoPE position ``root position + depth``.  Trees come from per-request-state
+* :func:`fill_tree_rows` writes, for every request with ``q_len <= W`` (``W = 1 +
+  budget``), each row's ancestor bits over its own request's rows (``[T, NW]`` int32,
+  ``NW = ceil(W / 32)``) and, for tree requests, the RoPE position ``root position +
+  depth``.  Trees come from per-request-state
   buffers (``bits_by_state [S, W, NW]``, ``depth_by_state [S, W]``) gathered with
   ``idx_mapping`` because vLLM reorders requests between steps.
-* :func:`compact_kv` copies, in every layer, the K/V row of accepted tree row
+* :class:`KVCompactor` copies, in every layer, the K/V row of accepted tree row
   ``path[i]`` into the slot of row ``i`` (slots stay linear), in increasing ``i`` so an
-  in-place copy never reads a row it already overwrote.
+  in-place copy never reads a row it already overwrote;
+* :func:`walk_verify` is the fused twin of the core walk
+  (:func:`vllm_ddtree.tree.walk_tree`) on this layout.
 
-Each has a torch reference (``*_torch``) that the tests compare the Triton kernels to.
-No vLLM import.
+Each has a torch reference that the tests compare the Triton kernels to (the compaction's
+and the walk's use the core's :func:`~vllm_ddtree.tree.compaction_plan` and
+:func:`~vllm_ddtree.tree.walk_tree`).  No vLLM import.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.tree import compaction_plan
 
 
 def use_triton(impl: str, tensor: torch.Tensor) -> bool:
     """``impl``: "triton", "torch" (the reference) or "auto" (Triton on CUDA tensors)."""
-    return impl == "triton" or (impl == "auto" and triton is not None and tensor.is_cuda)
+    return impl == "triton" or (impl == "auto" and HAS_TRITON and tensor.is_cuda)
 
 
-def causal_words(local: torch.Tensor, num_words: int) -> torch.Tensor:
-    """``[N, num_words]`` int32 bits ``{0..local}`` (a causal row)."""
-    w = torch.arange(num_words, device=local.device) * 32
-    n = (local.to(torch.int64).unsqueeze(1) + 1 - w).clamp(0, 32)  # bits set in the word
-    words = torch.where(n >= 32, torch.full_like(n, -1), (1 << n) - 1)
+def causal_words(
+    local: torch.Tensor,  # [N] int: each row's index within its request
+    num_words: int,
+) -> torch.Tensor:  # [N, num_words] int32
+    """Bits ``{0..local}`` of every row (a causal row)."""
+    word_start = torch.arange(num_words, device=local.device) * 32
+    # bits set in each word
+    num_set = (local.to(torch.int64).unsqueeze(1) + 1 - word_start).clamp(0, 32)
+    words = torch.where(num_set >= 32, torch.full_like(num_set, -1), (1 << num_set) - 1)
     return words.to(torch.int32)
 
 
-def fill_tree_rows_torch(query_start, cu_num_logits, idx_mapping, positions, bits_by_state,
-                         depth_by_state, out_bits, out_positions, num_reqs):
-    W, NW = bits_by_state.shape[1], bits_by_state.shape[2]
-    qs, cu = query_start.tolist(), cu_num_logits.tolist()
+def fill_tree_rows_torch(
+    query_start: torch.Tensor,  # [num_reqs + 1] int32
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+    positions: torch.Tensor,  # [num_tokens] int64 linear positions
+    bits_by_state: torch.Tensor,  # [S, W, NW] int32
+    depth_by_state: torch.Tensor,  # [S, W] int64
+    out_bits: torch.Tensor,  # [num_tokens, NW] int32
+    out_positions: torch.Tensor,  # [num_tokens] int64
+    num_reqs: int,
+) -> None:
+    """Reference of :func:`fill_tree_rows` (host loop)."""
+    max_rows, num_words = bits_by_state.shape[1], bits_by_state.shape[2]
+    starts, cu = query_start.tolist(), cu_num_logits.tolist()
     for b in range(num_reqs):
-        a, e = qs[b], qs[b + 1]
-        n = e - a
-        if n > W or n == 0:
+        first, end = starts[b], starts[b + 1]
+        query_len = end - first
+        if query_len > max_rows or query_len == 0:
             continue
-        s = int(idx_mapping[b])
-        if cu[b + 1] - cu[b] == n and n > 1:
-            out_bits[a:e] = bits_by_state[s, :n]
-            out_positions[a:e] = positions[a] + depth_by_state[s, :n]
+        state = int(idx_mapping[b])
+        if cu[b + 1] - cu[b] == query_len and query_len > 1:
+            out_bits[first:end] = bits_by_state[state, :query_len]
+            out_positions[first:end] = positions[first] + depth_by_state[state, :query_len]
         else:
-            out_bits[a:e] = causal_words(torch.arange(n, device=positions.device), NW)
+            out_bits[first:end] = causal_words(
+                torch.arange(query_len, device=positions.device), num_words)
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _fill_tree_rows_kernel(QS, CU, IDX, POS, BITS_S, DEPTH_S, OUT_BITS, OUT_POS,
                                s_bs, s_br, s_ds, s_ob,
-                               W: tl.constexpr, NW: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_W: tl.constexpr):
+                               MAX_ROWS: tl.constexpr, NUM_WORDS: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
         b = tl.program_id(0)
-        a = tl.load(QS + b)
-        n = tl.load(QS + b + 1) - a
-        if n > W or n == 0:
+        first = tl.load(QS + b)
+        query_len = tl.load(QS + b + 1) - first
+        if query_len > MAX_ROWS or query_len == 0:
             return
-        nlog = tl.load(CU + b + 1) - tl.load(CU + b)
-        is_tree = (nlog == n) & (n > 1)
-        s = tl.load(IDX + b).to(tl.int64)
+        num_logits = tl.load(CU + b + 1) - tl.load(CU + b)
+        is_tree = (num_logits == query_len) & (query_len > 1)
+        state = tl.load(IDX + b).to(tl.int64)
         rows = tl.arange(0, BLOCK_R)
         words = tl.arange(0, BLOCK_W)
-        r_ok = rows < n
-        ok = r_ok[:, None] & (words < NW)[None, :]
+        r_ok = rows < query_len
+        ok = r_ok[:, None] & (words < NUM_WORDS)[None, :]
         if is_tree:
-            bits = tl.load(BITS_S + s * s_bs + rows[:, None] * s_br + words[None, :],
+            bits = tl.load(BITS_S + state * s_bs + rows[:, None] * s_br + words[None, :],
                            mask=ok, other=0)
-            depth = tl.load(DEPTH_S + s * s_ds + rows, mask=r_ok, other=0)
-            root = tl.load(POS + a)
-            tl.store(OUT_POS + a + rows, root + depth, mask=r_ok)
+            depth = tl.load(DEPTH_S + state * s_ds + rows, mask=r_ok, other=0)
+            root = tl.load(POS + first)
+            tl.store(OUT_POS + first + rows, root + depth, mask=r_ok)
         else:
             nbits = tl.minimum(tl.maximum(rows[:, None] + 1 - words[None, :] * 32, 0), 32)
             low = (tl.full(nbits.shape, 1, tl.int64) << nbits.to(tl.int64)) - 1
             bits = tl.where(nbits >= 32, -1, low.to(tl.int32))
-        tl.store(OUT_BITS + (a + rows)[:, None] * s_ob + words[None, :], bits.to(tl.int32),
-                 mask=ok)
+        tl.store(OUT_BITS + (first + rows)[:, None] * s_ob + words[None, :],
+                 bits.to(tl.int32), mask=ok)
 
 
-def fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, bits_by_state,
-                   depth_by_state, out_bits, out_positions, num_reqs, impl="auto"):
+def fill_tree_rows(
+    query_start: torch.Tensor,  # [num_reqs + 1] int32
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+    positions: torch.Tensor,  # [num_tokens] int64 linear positions
+    bits_by_state: torch.Tensor,  # [S, W, NW] int32
+    depth_by_state: torch.Tensor,  # [S, W] int64
+    out_bits: torch.Tensor,  # [num_tokens, NW] int32
+    out_positions: torch.Tensor,  # [num_tokens] int64, holding the linear positions
+    num_reqs: int,
+    impl: str = "auto",
+) -> None:
     """See the module docstring.  ``out_positions`` must already hold the linear
     positions (only tree rows are rewritten).  No host sync: ``num_reqs`` is a host int."""
     if num_reqs == 0:
@@ -102,35 +128,47 @@ def fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, bits_by_s
         return fill_tree_rows_torch(query_start, cu_num_logits, idx_mapping, positions,
                                     bits_by_state, depth_by_state, out_bits, out_positions,
                                     num_reqs)
-    W, NW = bits_by_state.shape[1], bits_by_state.shape[2]
+    max_rows, num_words = bits_by_state.shape[1], bits_by_state.shape[2]
     assert bits_by_state.stride(2) == 1 and out_bits.stride(1) == 1
     _fill_tree_rows_kernel[(num_reqs,)](
         query_start, cu_num_logits, idx_mapping, positions, bits_by_state, depth_by_state,
         out_bits, out_positions, bits_by_state.stride(0), bits_by_state.stride(1),
         depth_by_state.stride(0), out_bits.stride(0),
-        W=W, NW=NW, BLOCK_R=triton.next_power_of_2(W), BLOCK_W=triton.next_power_of_2(NW),
-        num_warps=4)
+        MAX_ROWS=max_rows, NUM_WORDS=num_words, BLOCK_R=triton.next_power_of_2(max_rows),
+        BLOCK_W=triton.next_power_of_2(num_words), num_warps=4)
 
 
 # --------------------------------------------------------------------------- KV compaction
 
 
-def compact_kv_torch(caches, slot_mapping, logits_indices, cu_num_logits, path,
-                     num_accepted, num_reqs):
-    """``caches``: per layer a ``[num_blocks, block_size, ...]`` view (any strides)."""
-    cu, nacc = cu_num_logits.tolist(), num_accepted.tolist()
-    for b in range(num_reqs):
-        for i in range(1, int(nacc[b])):
-            src = int(slot_mapping[logits_indices[cu[b] + int(path[b, i])]])
-            dst = int(slot_mapping[logits_indices[cu[b] + i]])
-            if src == dst:
-                continue
-            for c in caches:
-                bs = c.shape[1]
-                c[dst // bs, dst % bs] = c[src // bs, src % bs]
+def compact_kv_torch(
+    caches: list[torch.Tensor],  # per layer [num_blocks, block_size, ...] (any strides)
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 KV slot of every token row
+    logits_indices: torch.Tensor,  # [num_logits] token row of every logits row
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+    path: torch.Tensor,  # [num_reqs, max_depth + 1] int64 accepted verify rows
+    num_accepted: torch.Tensor,  # [num_reqs] int64
+    num_reqs: int,
+) -> None:
+    """Reference of :class:`KVCompactor`: the moves of the core's
+    :func:`~vllm_ddtree.tree.compaction_plan`, mapped to KV slots through vLLM's rows.
+    Every source is read before any destination is written, which equals the kernel's
+    in-order copy (a destination row never follows its source row)."""
+    plan = compaction_plan(path[:num_reqs].long(), num_accepted[:num_reqs].long())
+    row_start = cu_num_logits[:num_reqs].long().unsqueeze(1)  # [num_reqs, 1]
+    src_rows = (row_start + plan.src_rows)[plan.moves]
+    dst_rows = (row_start + plan.dst_rows)[plan.moves]
+    src_slots = slot_mapping[logits_indices[src_rows].long()].long()
+    dst_slots = slot_mapping[logits_indices[dst_rows].long()].long()
+    moved = src_slots != dst_slots
+    src_slots, dst_slots = src_slots[moved], dst_slots[moved]
+    for cache in caches:
+        block_size = cache.shape[1]
+        entries = cache[src_slots // block_size, src_slots % block_size]  # a copy
+        cache[dst_slots // block_size, dst_slots % block_size] = entries
 
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _compact_kv_kernel(BASE, OFFS, SLOT, LI, CU, PATH, NACC, s_path, s_blk, s_off,
@@ -139,11 +177,11 @@ if triton is not None:
         b = tl.program_id(0)
         layer = tl.program_id(1)
         base_ptr = BASE + tl.load(OFFS + layer)
-        c0 = tl.load(CU + b)
-        k = tl.load(NACC + b)
-        for i in range(1, k):
-            src_row = tl.load(LI + c0 + tl.load(PATH + b * s_path + i))
-            dst_row = tl.load(LI + c0 + i)
+        row_start = tl.load(CU + b)
+        num_accepted = tl.load(NACC + b)
+        for i in range(1, num_accepted):
+            src_row = tl.load(LI + row_start + tl.load(PATH + b * s_path + i))
+            dst_row = tl.load(LI + row_start + i)
             src = tl.load(SLOT + src_row).to(tl.int64)
             dst = tl.load(SLOT + dst_row).to(tl.int64)
             if src != dst:
@@ -167,95 +205,115 @@ class KVCompactor:
     set is fixed at construction (vLLM allocates KV caches once).
     """
 
-    def __init__(self, caches: list[torch.Tensor], impl: str = "auto"):
+    def __init__(self, caches: list[torch.Tensor], impl: str = "auto") -> None:
         self.caches = caches
-        c0 = caches[0]
-        for c in caches:
-            if c.shape != c0.shape or c.stride() != c0.stride() or c.dtype != c0.dtype:
+        first = caches[0]
+        for cache in caches:
+            if (cache.shape != first.shape or cache.stride() != first.stride()
+                    or cache.dtype != first.dtype):
                 raise ValueError("KVCompactor: layer caches differ in shape/stride/dtype")
-        self.use_triton = use_triton(impl, c0)
+        self.use_triton = use_triton(impl, first)
         if self.use_triton:
-            esz = c0.element_size()
-            deltas = [c.data_ptr() - c0.data_ptr() for c in caches]
-            if any(d % esz for d in deltas):
+            element_size = first.element_size()
+            deltas = [cache.data_ptr() - first.data_ptr() for cache in caches]
+            if any(delta % element_size for delta in deltas):
                 raise ValueError("KVCompactor: misaligned layer caches")
-            self.offsets = torch.tensor([d // esz for d in deltas], dtype=torch.int64,
-                                        device=c0.device)
+            # [num_layers] int64 element offset of each layer's cache from the first's
+            self.offsets = torch.tensor([delta // element_size for delta in deltas],
+                                        dtype=torch.int64, device=first.device)
 
-    def __call__(self, slot_mapping, logits_indices, cu_num_logits, path, num_accepted,
-                 num_reqs: int) -> None:
+    def __call__(
+        self,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64 KV slot of every token row
+        logits_indices: torch.Tensor,  # [num_logits] token row of every logits row
+        cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+        path: torch.Tensor,  # [num_reqs, max_depth + 1] int64 accepted verify rows
+        num_accepted: torch.Tensor,  # [num_reqs] int64
+        num_reqs: int,
+    ) -> None:
         if num_reqs == 0:
             return
         if not self.use_triton:
             return compact_kv_torch(self.caches, slot_mapping, logits_indices,
                                     cu_num_logits, path, num_accepted, num_reqs)
-        c0 = self.caches[0]
-        heads, width = c0.shape[2], c0.shape[3]
-        assert c0.stride(3) == 1 and path.stride(1) == 1
+        first = self.caches[0]
+        heads, width = first.shape[2], first.shape[3]
+        assert first.stride(3) == 1 and path.stride(1) == 1
         row = heads * width
         _compact_kv_kernel[(num_reqs, len(self.caches))](
-            c0, self.offsets, slot_mapping, logits_indices, cu_num_logits, path,
-            num_accepted, path.stride(0), c0.stride(0), c0.stride(1), c0.stride(2),
-            HEAD2=width, ROW=row, BLOCK_SIZE=c0.shape[1],
+            first, self.offsets, slot_mapping, logits_indices, cu_num_logits, path,
+            num_accepted, path.stride(0), first.stride(0), first.stride(1), first.stride(2),
+            HEAD2=width, ROW=row, BLOCK_SIZE=first.shape[1],
             BLOCK_E=min(4096, triton.next_power_of_2(row)), num_warps=4)
 
 
 # --------------------------------------------------------------------------- fused walk
 
-if triton is not None:
+if HAS_TRITON:
 
     @triton.jit
     def _walk_kernel(TGT, CU, IDX, WTOK, PAR, SAMPLED, PATH, NACC, SRC,
                      s_wt, s_par, s_sam, s_path,
-                     B: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                     BUDGET: tl.constexpr, MAX_DEPTH: tl.constexpr, MAX_ROWS: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
         b = tl.program_id(0)
-        c0 = tl.load(CU + b).to(tl.int64)
-        nlog = tl.load(CU + b + 1).to(tl.int64) - c0
-        s = tl.load(IDX + b).to(tl.int64)
+        row_start = tl.load(CU + b).to(tl.int64)
+        num_logits = tl.load(CU + b + 1).to(tl.int64) - row_start
+        state = tl.load(IDX + b).to(tl.int64)
         j = tl.arange(0, BLOCK_B)
-        live = j < tl.minimum(nlog - 1, B)  # scheduled nodes only
-        tok = tl.load(WTOK + s * s_wt + j, mask=live, other=-1)
-        par = tl.load(PAR + s * s_par + j, mask=live, other=-1)
+        live = j < tl.minimum(num_logits - 1, BUDGET)  # scheduled nodes only
+        tok = tl.load(WTOK + state * s_wt + j, mask=live, other=-1)
+        par = tl.load(PAR + state * s_par + j, mask=live, other=-1)
         cols = tl.arange(0, BLOCK_W)
         path = tl.where(cols == 0, 0, -1).to(tl.int64)
         cur = tl.zeros((), tl.int64)
         k = tl.zeros((), tl.int64)
-        for _ in range(D):
-            t = tl.load(TGT + c0 + cur)
+        for _ in range(MAX_DEPTH):
+            t = tl.load(TGT + row_start + cur)
             hit = live & (par == cur) & (tok == t) & (tok >= 0)
             nxt = tl.min(tl.where(hit, j, BLOCK_B), axis=0)
             found = nxt < BLOCK_B
             cur = tl.where(found, nxt.to(tl.int64) + 1, cur)
             k = tl.where(found, k + 1, k)
             path = tl.where(found & (cols == k), cur, path)
-        n_acc = k + 1
-        tl.store(NACC + b, n_acc)
-        tl.store(PATH + b * s_path + cols, path, mask=cols < D + 1)
-        on = cols < n_acc
+        num_accepted = k + 1
+        tl.store(NACC + b, num_accepted)
+        tl.store(PATH + b * s_path + cols, path, mask=cols < MAX_DEPTH + 1)
+        on = cols < num_accepted
         row = tl.where(on, path, 0)
-        sam = tl.load(TGT + c0 + row, mask=on, other=-1)
-        tl.store(SAMPLED + b * s_sam + cols, tl.where(on, sam, -1), mask=cols < W)
-        src = tl.where(on, c0 + row, c0 + cols)
-        tl.store(SRC + c0 + cols, src, mask=cols < nlog)
+        sam = tl.load(TGT + row_start + row, mask=on, other=-1)
+        tl.store(SAMPLED + b * s_sam + cols, tl.where(on, sam, -1), mask=cols < MAX_ROWS)
+        src = tl.where(on, row_start + row, row_start + cols)
+        tl.store(SRC + row_start + cols, src, mask=cols < num_logits)
 
 
-def walk_verify(targets, cu_num_logits, idx_mapping, walk_tokens, parents, depth: int,
-                num_reqs: int):
-    """Fused walk for :meth:`vllm_ddtree.gpu.buffers.TreeBuffers.walk` (same outputs):
-    ``sampled [n, 1 + B]``, ``path [n, D + 1]``, ``num_accepted [n]``, ``src [L]``."""
-    B = walk_tokens.shape[1]
-    W = B + 1
-    L = targets.shape[0]
-    dev = targets.device
-    sampled = torch.empty((num_reqs, W), dtype=torch.int64, device=dev)
-    path = torch.empty((num_reqs, depth + 1), dtype=torch.int64, device=dev)
-    nacc = torch.empty((num_reqs,), dtype=torch.int64, device=dev)
-    src = torch.empty((L,), dtype=torch.int64, device=dev)
+def walk_verify(
+    targets: torch.Tensor,  # [num_logits] int64 the target's token at every logits row
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+    walk_tokens: torch.Tensor,  # [S, budget] int64 node tokens by request state
+    parents: torch.Tensor,  # [S, budget] int64 node parents (verify rows) by state
+    max_depth: int,
+    num_reqs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused twin of the torch branch of
+    :meth:`vllm_ddtree.gpu.buffers.TreeBuffers.walk` (the core walk), same outputs:
+    ``sampled [num_reqs, 1 + budget]``, ``path [num_reqs, max_depth + 1]``,
+    ``num_accepted [num_reqs]``, ``src_logit_row [num_logits]``."""
+    budget = walk_tokens.shape[1]
+    max_rows = budget + 1
+    total_logits = targets.shape[0]
+    device = targets.device
+    sampled = torch.empty((num_reqs, max_rows), dtype=torch.int64, device=device)
+    path = torch.empty((num_reqs, max_depth + 1), dtype=torch.int64, device=device)
+    num_accepted = torch.empty((num_reqs,), dtype=torch.int64, device=device)
+    src_logit_row = torch.empty((total_logits,), dtype=torch.int64, device=device)
     if num_reqs:
         _walk_kernel[(num_reqs,)](
-            targets, cu_num_logits, idx_mapping, walk_tokens, parents, sampled, path, nacc,
-            src, walk_tokens.stride(0), parents.stride(0), sampled.stride(0), path.stride(0),
-            B=B, D=depth, W=W, BLOCK_B=triton.next_power_of_2(B),
-            BLOCK_W=triton.next_power_of_2(W), num_warps=4)
-    return sampled, path, nacc, src
+            targets, cu_num_logits, idx_mapping, walk_tokens, parents, sampled, path,
+            num_accepted, src_logit_row, walk_tokens.stride(0), parents.stride(0),
+            sampled.stride(0), path.stride(0),
+            BUDGET=budget, MAX_DEPTH=max_depth, MAX_ROWS=max_rows,
+            BLOCK_B=triton.next_power_of_2(budget), BLOCK_W=triton.next_power_of_2(max_rows),
+            num_warps=4)
+    return sampled, path, num_accepted, src_logit_row
