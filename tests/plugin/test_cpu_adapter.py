@@ -10,7 +10,13 @@ from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
 
 from vllm_ddtree.cpu.attention import check_supported, unpack_blocks  # noqa: E402
-from vllm_ddtree.cpu.tree_store import TreeStore, VerifyRequest, walk_lists  # noqa: E402
+from vllm_ddtree.cpu.tree_store import (  # noqa: E402
+    ScheduledTree,
+    TreeStore,
+    VerifyRequest,
+    stack_trees,
+)
+from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -52,18 +58,41 @@ def test_unsupported_layers_refused_at_load():
         check_supported("l2", _layer(is_fp8_kv_cache=True))
 
 
+def _draft_tree(tokens, parents, depths):
+    t = torch.tensor
+    num_nodes = sum(p >= 0 for p in parents)
+    return DraftTree(t([tokens]), t([parents]), t([depths]), t([num_nodes]),
+                     torch.zeros(1, len(tokens)), max(depths))
+
+
 def test_tree_store_lookup_and_walk():
     store = TreeStore()
-    store.trees["r"] = SimpleNamespace(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 2],
-                                       depths=[1, 1, 2, 2])
-    assert store.lookup("r", [5, 6, 7]) == ([0, 0, 1], [1, 1, 2])  # truncated prefix
-    assert store.lookup("r", [5, 9]) == ([0, 1], [1, 2])  # stale: verified as a chain
-    assert store.lookup("x", [1]) == ([0], [1])
+    store.put(["r"], _draft_tree([5, 6, 7, 8], [0, 0, 1, 2], [1, 1, 2, 2]))
+    assert store.lookup("r", [5, 6, 7]) == ([5, 6, 7], [0, 0, 1], [1, 1, 2])  # truncated
+    assert store.lookup("r", [5, 9]) == ([5, 9], [0, 1], [1, 2])  # stale: verified as a chain
+    assert store.lookup("x", [1]) == ([1], [0], [1])
     store.forget(["r"])
-    assert "r" not in store.trees
+    assert store.lookup("r", [5, 6]) == ([5, 6], [0, 1], [1, 2])
     # target: root->6 (node 2), node 2 -> 8 (node 4), node 4 -> 3 (bonus)
-    path, bonus = walk_lists([5, 6, 7, 8], [0, 0, 1, 2], [6, 0, 8, 0, 3])
-    assert path == [0, 2, 4] and bonus == 3
-    req = VerifyRequest(0, 0, 4, 10, [5, 6, 7, 8], [0, 0, 1, 2], [1, 1, 2, 2])
-    mask = req.ancestor_mask()
-    assert mask[4].tolist() == [True, False, True, False, True] and not req.is_chain
+    tree = stack_trees([store.lookup("x", [5]),
+                        ScheduledTree([5, 6, 7, 8], [0, 0, 1, 2], [1, 1, 2, 2])])
+    targets = torch.tensor([[9, 0, -1, -1, -1], [6, 0, 8, 0, 3]])
+    accepted, num_accepted, bonus = walk_tree(tree, targets)
+    assert accepted[1, :num_accepted[1]].tolist() == [0, 2, 4] and int(bonus[1]) == 3
+    assert num_accepted[0] == 1 and int(bonus[0]) == 9
+    mask = tree_layout(tree, torch.tensor([3, 10])).dense_mask()[1]
+    assert mask[4].tolist() == [True, False, True, False, True]
+    req = VerifyRequest(1, 2, 4, 10, torch.cat([torch.ones(5, 10, dtype=torch.bool), mask], 1))
+    assert not req.is_chain and VerifyRequest(0, 0, 1, 3, None).is_chain
+
+
+def test_slots_past_the_tree_are_scheduled_but_never_accepted():
+    """A tree smaller than its width (tiny vocabulary, or emptied for non-finite draft
+    logits): its last slots are scheduled as token 0 and walked as token -1."""
+    store = TreeStore()
+    store.put(["r"], _draft_tree([0, 4, -1, -1], [0, 1, -1, -1], [1, 2, 0, 0]))
+    scheduled = store.lookup("r", [0, 4, 0, 0])
+    assert scheduled == ([0, 4, -1, -1], [0, 1, -1, -1], [1, 2, 0, 0])
+    accepted, num_accepted, bonus = walk_tree(stack_trees([scheduled]),
+                                              torch.tensor([[0, 4, 7, 0, 0]]))
+    assert accepted[0, :num_accepted[0]].tolist() == [0, 1, 2] and int(bonus[0]) == 7

@@ -9,78 +9,120 @@ drafter layer are left exactly as vLLM computed them.
 
 Installed per layer: after the target model loads, the runner switches each target
 attention layer's ``impl`` instance to :class:`DDTreeCPUAttentionImpl` (a subclass that
-adds state to nothing but the forward), so no process-wide backend registry or cache is
-touched and drafter layers keep vLLM's class.
+changes nothing but the forward) and hands it the runner's own
+:class:`~vllm_ddtree.cpu.tree_store.VerifyContext`, so no process-wide backend registry,
+cache or verify state is touched and drafter layers keep vLLM's class.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
-from vllm_ddtree.cpu import active
+from vllm_ddtree.cpu.tree_store import VerifyContext, VerifyKV, VerifyStep
 
 
-def unpack_blocks(buf: torch.Tensor, isa: str, is_key: bool) -> torch.Tensor:
-    """``[n, kvh, bs, hd]`` packed blocks -> ``[n * bs, kvh, hd]`` rows in slot order."""
-    n, kvh, bs, hd = buf.shape
+def unpack_blocks(
+    blocks: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size] packed
+    isa: str,
+    is_key: bool,
+) -> torch.Tensor:  # [num_blocks * block_size, num_kv_heads, head_size]
+    """Packed K or V cache blocks -> rows in slot order."""
+    num_blocks, num_kv_heads, block_size, head_size = blocks.shape
     if isa == "amx":
         if is_key:
-            x = buf.reshape(n, kvh, bs // 16, hd // 2, 16, 2).permute(0, 1, 2, 4, 3, 5)
+            rows = blocks.reshape(num_blocks, num_kv_heads, block_size // 16, head_size // 2,
+                                  16, 2).permute(0, 1, 2, 4, 3, 5)
         else:
-            x = buf.reshape(n, kvh, hd // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4)
-        x = x.reshape(n, kvh, bs, hd)
+            rows = blocks.reshape(num_blocks, num_kv_heads, head_size // 16, block_size // 2,
+                                  16, 2).permute(0, 1, 3, 5, 2, 4)
+        rows = rows.reshape(num_blocks, num_kv_heads, block_size, head_size)
     elif is_key:  # vec / vec16: K stored transposed per block
-        x = buf.reshape(n, kvh, hd, bs).transpose(-1, -2)
+        rows = blocks.reshape(num_blocks, num_kv_heads, head_size, block_size).transpose(-1, -2)
     else:
-        x = buf.reshape(n, kvh, bs, hd)
-    return x.permute(0, 2, 1, 3).reshape(n * bs, kvh, hd)
+        rows = blocks.reshape(num_blocks, num_kv_heads, block_size, head_size)
+    return rows.permute(0, 2, 1, 3).reshape(num_blocks * block_size, num_kv_heads, head_size)
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                              output_scale, output_block_scale)
-        step = active.step
-        if step is None or attn_metadata is None or layer.layer_name not in step.target_layers:
-            return out
-        self._tree_rows(layer, query, key, value, kv_cache, attn_metadata, output, step)
-        return out
+    """vLLM's CPU attention, then the tree rows of the runner's verify step.
 
-    def _tree_rows(self, layer, query, key, value, kv_cache, md, output, step):
-        nb, kvh, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
-        nh, hd = self.num_heads, self.head_size
-        out = output.view(output.shape[0], nh, hd)
-        if not step.requests:
-            return
+    Installed by :func:`install`, which also sets :attr:`verify_context`: the holder
+    through which the owning runner hands over each step's verify (``None`` outside a
+    tree verify)."""
+
+    verify_context: VerifyContext
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # output
+        result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                 output_scale, output_block_scale)
+        step = self.verify_context.step
+        if step is None or attn_metadata is None or not step.requests:
+            return result
+        self._tree_rows(layer, query, key, value, kv_cache, attn_metadata, output, step)
+        return result
+
+    def _tree_rows(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        metadata: CPUAttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        step: VerifyStep,
+    ) -> None:
+        """Recompute the verify rows of branching requests over their paged prefix and
+        their ancestors, and keep every verify row's K/V for the compaction."""
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size,
+                                               -1).chunk(2, dim=2)
+        num_heads, head_size = self.num_heads, self.head_size
+        out = output.view(output.shape[0], num_heads, head_size)
         for req in step.requests:
             if req.is_chain:  # vLLM's causal kernel already computed these rows
                 continue
             rows = slice(req.start, req.start + req.num_nodes + 1)
-            p = req.prefix_len
-            blocks = md.block_table[req.index, :math.ceil(p / bs)].long()
-            kp = unpack_blocks(key_cache[blocks], layer.isa, True)[:p]
-            vp = unpack_blocks(value_cache[blocks], layer.isa, False)[:p]
-            k = torch.cat([kp.to(key.dtype), key[rows]], 0).float().transpose(0, 1)
-            v = torch.cat([vp.to(value.dtype), value[rows]], 0).float().transpose(0, 1)
-            q = query[rows].float().transpose(0, 1)  # [nh, n, hd]; k, v: [kvh, L, hd]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=req.verify_mask, scale=self.scale, enable_gqa=nh != kvh)
-            out[rows] = o.transpose(0, 1).to(out.dtype)
-        rows_all = step.rows
-        step.kv_rows[layer.layer_name] = (layer, self, kv_cache, key[rows_all].clone(),
-                                          value[rows_all].clone(),
-                                          md.slot_mapping[rows_all].clone())
+            prefix_len = req.prefix_len
+            blocks = metadata.block_table[req.index, :math.ceil(prefix_len / block_size)].long()
+            prefix_keys = unpack_blocks(key_cache[blocks], layer.isa, True)[:prefix_len]
+            prefix_values = unpack_blocks(value_cache[blocks], layer.isa, False)[:prefix_len]
+            # [num_kv_heads, prefix_len + num_nodes + 1, head_size]
+            keys = torch.cat([prefix_keys.to(key.dtype), key[rows]], 0).float().transpose(0, 1)
+            values = torch.cat([prefix_values.to(value.dtype), value[rows]],
+                               0).float().transpose(0, 1)
+            queries = query[rows].float().transpose(0, 1)  # [num_heads, num_nodes + 1, head_size]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=req.verify_mask, scale=self.scale,
+                enable_gqa=num_heads != num_kv_heads)
+            out[rows] = attended.transpose(0, 1).to(out.dtype)
+        verify_rows = step.rows
+        step.kv_rows[layer.layer_name] = VerifyKV(
+            layer, self, kv_cache, key[verify_rows].clone(), value[verify_rows].clone(),
+            metadata.slot_mapping[verify_rows].clone())
 
 
 SUPPORTED_ISAS = ("vec", "vec16", "amx")  # KV layouts whose unpacking is verified
 
 
-def check_supported(name: str, layer) -> None:
+def check_supported(name: str, layer: Any) -> None:
     """Refuse, at load time, layers whose tree rows this path cannot compute exactly."""
     impl = layer.impl
     problems = []
@@ -107,8 +149,10 @@ def check_supported(name: str, layer) -> None:
             f"path: {'; '.join(problems)}. Use method 'dflash' for this model.")
 
 
-def install(layers) -> None:
-    """Switch the given target attention layers to the tree-aware implementation."""
+def install(layers: Mapping[str, Any], verify_context: VerifyContext) -> None:
+    """Switch the given target attention layers (name -> vLLM attention layer) to the
+    tree-aware implementation, reading the verify step from ``verify_context``."""
     for name, layer in layers.items():
         check_supported(name, layer)
         layer.impl.__class__ = DDTreeCPUAttentionImpl
+        layer.impl.verify_context = verify_context

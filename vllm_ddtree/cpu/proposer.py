@@ -13,34 +13,38 @@ Thin adapter over ``vllm.v1.spec_decode.dflash.DFlashProposer``:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.config import ddtree_params
+from vllm_ddtree.cpu.tree_store import ScheduledTree, TreeStore
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
-from vllm_ddtree.cpu.tree_store import TreeStore
 from vllm_ddtree.tree import build_tree, drop_nonfinite
 
-
-_logger = init_logger(__name__)
-_logged: set[str] = set()
+logger = init_logger(__name__)
 
 
-def _chain(reason: str) -> bool:
-    if reason not in _logged:
-        _logged.add(reason)
-        _logger.warning(
-            "vllm-ddtree: a batch with %s is not verified as a tree: greedy batches as a "
-            "linear chain by vLLM's rejection sampler (exact, fewer accepted tokens), "
-            "sampled (T > 0) batches accept no drafts and sample exactly as without "
-            "speculation; logged once per reason.",
-            reason)
+def _falls_back(reason: str) -> bool:
+    logger.warning_once(
+        "vllm-ddtree: a batch with %s is not verified as a tree: greedy batches as a "
+        "linear chain by vLLM's rejection sampler (exact, fewer accepted tokens), "
+        "sampled (T > 0) batches accept no drafts and sample exactly as without "
+        "speculation; logged once per reason.",
+        reason)
     return False
 
 
-def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> bool:
+def tree_eligible(sampling_metadata: SamplingMetadata,
+                  has_structured_output: bool = False) -> bool:
     """True when every request in the batch can be verified as a tree.
 
     Each node's target token is drawn from that node's own distribution (temperature,
@@ -51,29 +55,30 @@ def tree_eligible(sampling_metadata, has_structured_output: bool = False) -> boo
     vLLM's own rejection sampler, sampled batches accept no drafts and draw one token per
     request with vLLM's sampler (``DDTreeCPUModelRunner._sample_roots``).
     """
-    sm = sampling_metadata
+    metadata = sampling_metadata
     if has_structured_output:
-        return _chain("structured output (a grammar)")
-    if sm.max_num_logprobs is not None:
-        return _chain("logprobs requested")
-    if not sm.no_penalties:
-        return _chain("repetition/presence/frequency penalties")
-    if sm.bad_words_token_ids:
-        return _chain("bad words")
-    if sm.allowed_token_ids_mask is not None:
-        return _chain("allowed_token_ids")
-    for proc in sm.logitsprocs.all:
+        return _falls_back("structured output (a grammar)")
+    if metadata.max_num_logprobs is not None:
+        return _falls_back("logprobs requested")
+    if not metadata.no_penalties:
+        return _falls_back("repetition/presence/frequency penalties")
+    if metadata.bad_words_token_ids:
+        return _falls_back("bad words")
+    if metadata.allowed_token_ids_mask is not None:
+        return _falls_back("allowed_token_ids")
+    for proc in metadata.logitsprocs.all:
         if type(proc).__name__ == "MinPLogitsProcessor":
             continue  # applied per node by the verifier
         state = getattr(proc, "biases", None)
         if state is None:
             state = getattr(proc, "min_toks", None)
         if state is None or len(state) > 0:
-            return _chain(f"an active logits processor ({type(proc).__name__})")
+            return _falls_back(f"an active logits processor ({type(proc).__name__})")
     return True
 
 
-def min_p_of(sampling_metadata, num_reqs: int):
+def min_p_of(sampling_metadata: SamplingMetadata,
+             num_reqs: int) -> torch.Tensor | None:  # [num_reqs] float32
     """Per-request min-p (CPU tensor) when any request uses it, else None."""
     for proc in sampling_metadata.logitsprocs.all:
         if type(proc).__name__ == "MinPLogitsProcessor" and proc.min_p_count > 0:
@@ -81,48 +86,114 @@ def min_p_of(sampling_metadata, num_reqs: int):
     return None
 
 
+@dataclass
+class AcceptedPath:
+    """One request's accepted verify rows, as the verifier hands them to the drafter."""
+
+    start: int  # the root's row in the verify step's flattened token batch
+    rows: list[int]  # accepted verify rows relative to ``start``, root first (0 = root)
+
+
 class DDTreeProposer(DFlashProposer):
+    """vLLM's DFlash drafter that proposes trees (see the module docstring).
+
+    Its runner hands it, at construction, two callables it reads while proposing:
+    ``batch_req_ids()`` (the request ids of the batch, in batch order) and
+    ``has_structured_output()`` (whether any request of the batch is constrained by a
+    grammar).  Per step the runner asks it which tree the scheduled drafts are
+    (:meth:`scheduled_tree`), tells it the finished requests (:meth:`forget`) and, after a
+    tree verify, the accepted paths (:meth:`accept_paths`)."""
+
     ddtree_proposer = True  # the only DFlashProposer allowed to serve a DDTree config
 
-    def __init__(self, vllm_config, device, runner=None):
-        super().__init__(vllm_config, device, runner)
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        *,
+        batch_req_ids: Callable[[], Sequence[str]] | None = None,
+        has_structured_output: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(vllm_config, device)
+        if batch_req_ids is None or has_structured_output is None:
+            raise TypeError("DDTreeProposer needs its runner's batch_req_ids and "
+                            "has_structured_output")
         self.budget, self.depth = ddtree_params(vllm_config.speculative_config)
-        self.ddtree_runner = runner
-        self.store = TreeStore()
-        self._draft_logits: torch.Tensor | None = None
+        self._batch_req_ids = batch_req_ids
+        self._has_structured_output = has_structured_output
+        self._trees = TreeStore()
+        self._accepted_paths: dict[int, AcceptedPath] = {}  # request index -> its path
+        self._draft_logits: torch.Tensor | None = None  # [num_reqs * depth, vocab]
         self.nonfinite_drafts = 0  # request-steps whose draft logits held NaN/inf
         self._nonfinite_log = NonfiniteDraftLog()
         self.online = make_publisher(vllm_config, device,
-                                       vllm_config.scheduler_config.max_num_seqs)
+                                     vllm_config.scheduler_config.max_num_seqs)
 
-    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+    # -- the runner's hand-offs ---------------------------------------------------
+    def scheduled_tree(self, req_id: str, draft_token_ids: Sequence[int]) -> ScheduledTree:
+        """The tree that the scheduled drafts of ``req_id`` form (see
+        :meth:`~vllm_ddtree.cpu.tree_store.TreeStore.lookup`)."""
+        return self._trees.lookup(req_id, draft_token_ids)
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop the stored trees of finished requests."""
+        self._trees.forget(req_ids)
+
+    def accept_paths(self, paths: dict[int, AcceptedPath]) -> None:
+        """The accepted paths of this step's tree verify, by request index (empty for a
+        step that verified no tree); the next :meth:`propose` reads them once."""
+        self._accepted_paths = paths
+
+    # -- vLLM's DFlashProposer overrides -----------------------------------------
+    def _sample_draft_tokens(
+        self,
+        hidden_states: torch.Tensor,  # [num_reqs * depth, hidden_size]
+        sampling_metadata: SamplingMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_reqs * depth] draft ids, probs
         if self.use_heterogeneous_vocab:  # draft-vocabulary ids: keep vLLM's mapping, chain
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
 
-    def _linearize_context(self, target_hidden_states, target_positions, cad):
+    def _linearize_context(
+        self,
+        target_hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        target_positions: torch.Tensor,  # [num_tokens]
+        common_attn_metadata: CommonAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden states (in place), positions
         """Move each request's accepted rows to the front, with linear positions."""
-        paths = self.store.last_paths
-        self.store.last_paths = {}
+        paths, self._accepted_paths = self._accepted_paths, {}
         if not paths:
             return target_hidden_states, target_positions
-        qsl = cad.query_start_loc_cpu.tolist()
+        query_start = common_attn_metadata.query_start_loc_cpu.tolist()
         positions = target_positions.clone()
-        for index, (start, path) in paths.items():
-            s, e = qsl[index], qsl[index + 1]
-            if s != start:
-                raise RuntimeError(f"DDTree: request {index} moved from row {start} to {s}")
-            rest = [j for j in range(e - s) if j not in set(path)]
-            perm = torch.tensor(path + rest, dtype=torch.long) + s
-            target_hidden_states[s:e] = target_hidden_states[perm]
-            positions[s:e] = positions[s] + torch.arange(e - s, dtype=positions.dtype)
+        for index, path in paths.items():
+            first, end = query_start[index], query_start[index + 1]
+            if first != path.start:
+                raise RuntimeError(
+                    f"DDTree: request {index} moved from row {path.start} to {first}")
+            accepted = set(path.rows)
+            rejected = [row for row in range(end - first) if row not in accepted]
+            order = torch.tensor(path.rows + rejected, dtype=torch.long) + first
+            target_hidden_states[first:end] = target_hidden_states[order]
+            positions[first:end] = positions[first] + torch.arange(end - first,
+                                                                   dtype=positions.dtype)
         return target_hidden_states, positions
 
-    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                target_hidden_states, next_token_ids, token_indices_to_sample,
-                common_attn_metadata, sampling_metadata, *args, **kwargs):
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,  # [num_tokens]
+        target_positions: torch.Tensor,  # [num_tokens]
+        target_hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        next_token_ids: torch.Tensor,  # [num_reqs]
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:  # [num_reqs, num_speculative_tokens] or [num_reqs, depth] (chain)
         target_hidden_states, target_positions = self._linearize_context(
             target_hidden_states, target_positions, common_attn_metadata)
         depth = min(self.depth, num_speculative_tokens)
@@ -131,15 +202,13 @@ class DDTreeProposer(DFlashProposer):
                                 target_hidden_states, next_token_ids, token_indices_to_sample,
                                 common_attn_metadata, sampling_metadata, *args, **kwargs)
         self.num_speculative_tokens = num_speculative_tokens
-        runner = self.ddtree_runner
-        req_ids = list(runner.input_batch.req_ids[: chain.shape[0]])
-        structured = runner._has_structured_output()
-        if depth == 0 or self._draft_logits is None or not tree_eligible(sampling_metadata,
-                                                                          structured):
-            self.store.put_chains(req_ids)
+        num_reqs = chain.shape[0]
+        req_ids = list(self._batch_req_ids()[:num_reqs])
+        if depth == 0 or self._draft_logits is None or not tree_eligible(
+                sampling_metadata, self._has_structured_output()):
+            self._trees.forget(req_ids)
             return chain
-        bs = chain.shape[0]
-        logits = self._draft_logits.view(bs, depth, -1)
+        logits = self._draft_logits.view(num_reqs, depth, -1)
         if self.online is None:
             tree = build_tree(logits, min(self.budget, num_speculative_tokens))
         else:  # the full tree's expectations for every candidate budget, then its prefix
@@ -147,10 +216,10 @@ class DDTreeProposer(DFlashProposer):
         self.nonfinite_drafts += int(drop_nonfinite(tree, logits).sum())  # CPU: no sync
         if self.online is not None:
             self.online.store(tree.scores)
-            self.online.publish(bs)
+            self.online.publish(num_reqs)
             tree = tree.prefix(num_speculative_tokens)
         self._nonfinite_log.report(self.nonfinite_drafts)
-        self.store.put(req_ids, tree)
+        self._trees.put(req_ids, tree)
         # Slots past a tree's last node (only when the vocabulary is tiny) are scheduled
         # but never accepted: give them a real token id.
         return tree.token_ids.clamp(min=0)
