@@ -152,7 +152,8 @@ def main():
         json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing,
                        attention=attn), f, indent=1)
     print("\n## exactness: CUDA vs CPU (CPU = heap-verified)")
-    print("| logits | R | D | V | budget | candidates equal | build equal | walk equal |\n|---|---|---|---|---|---|---|---|")
+    print("| logits | R | D | V | budget | candidates equal | build equal | walk equal |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in exact:
         print("| " + " | ".join(str(x) for x in r) + " |")
     print("\n## build + walk + layout per step (median ms, CUDA events), D=15, V=151936")
@@ -160,7 +161,8 @@ def main():
           "| candidates only | best graph / 5.3 ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d, R, B, e1, g1, e2, g2, c, pct in timing:
-        print(f"| {d} | {R} | {B} | {e1:.3f} | {g1:.3f} | {e2:.3f} | {g2:.3f} | {c:.3f} | {pct:.1f}% |")
+        print(f"| {d} | {R} | {B} | {e1:.3f} | {g1:.3f} | {e2:.3f} | {g2:.3f} | {c:.3f} "
+              f"| {pct:.1f}% |")
     print("\n## tree attention: Triton vs torch reference (R=8, 32/8 heads, B=64, prefix 512-1024)")
     print("| dtype | head_dim | max abs err out | max abs err lse | Triton ms | torch ms |")
     print("|---|---|---|---|---|---|")

@@ -38,7 +38,8 @@ def gen_shaped(root: Path) -> tuple[Path, Path]:
     if (root / ".done").exists():
         return t_dir, d_dir
     s = SHAPE
-    H, NH, NKV, HD, FF, V = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"], s["vocab"]
+    H, NH, NKV, HD, FF, V = (s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"],
+                             s["vocab"])
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def r(*shape, std=0.02):
@@ -48,10 +49,13 @@ def gen_shaped(root: Path) -> tuple[Path, Path]:
         return torch.ones(n, dtype=torch.bfloat16)
 
     def layer(p):
-        return {f"{p}.self_attn.q_proj.weight": r(NH * HD, H), f"{p}.self_attn.k_proj.weight": r(NKV * HD, H),
-                f"{p}.self_attn.v_proj.weight": r(NKV * HD, H), f"{p}.self_attn.o_proj.weight": r(H, NH * HD),
+        return {f"{p}.self_attn.q_proj.weight": r(NH * HD, H),
+                f"{p}.self_attn.k_proj.weight": r(NKV * HD, H),
+                f"{p}.self_attn.v_proj.weight": r(NKV * HD, H),
+                f"{p}.self_attn.o_proj.weight": r(H, NH * HD),
                 f"{p}.self_attn.q_norm.weight": one(HD), f"{p}.self_attn.k_norm.weight": one(HD),
-                f"{p}.input_layernorm.weight": one(H), f"{p}.post_attention_layernorm.weight": one(H),
+                f"{p}.input_layernorm.weight": one(H),
+                f"{p}.post_attention_layernorm.weight": one(H),
                 f"{p}.mlp.gate_proj.weight": r(FF, H), f"{p}.mlp.up_proj.weight": r(FF, H),
                 f"{p}.mlp.down_proj.weight": r(H, FF)}
 
@@ -64,11 +68,13 @@ def gen_shaped(root: Path) -> tuple[Path, Path]:
     for d in (t_dir, d_dir):
         d.mkdir(parents=True, exist_ok=True)
     vocab = {f"<{i}>": i for i in range(1000)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")),
-                                  unk_token="<0>", eos_token="<2>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")),
+        unk_token="<0>", eos_token="<2>")
     tok.save_pretrained(t_dir)
     (t_dir / "config.json").write_text(json.dumps(cfg))
-    sd = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H), "model.norm.weight": one(H)}
+    sd = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H),
+          "model.norm.weight": one(H)}
     for i in range(s["layers"]):
         sd.update(layer(f"model.layers.{i}"))
     save_file(sd, str(t_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -61,7 +61,8 @@ def main():
         sps = [SamplingParams(max_tokens=TOKENS, ignore_eos=True,
                               seed=None if seeds is None else seeds[i], **params)
                for i in range(n)]
-        return [tuple(o.outputs[0].token_ids) for o in llm.generate(["hi"] * n, sps, use_tqdm=False)]
+        return [tuple(o.outputs[0].token_ids)
+                for o in llm.generate(["hi"] * n, sps, use_tqdm=False)]
 
     res = {}
     for name, spec in (("nospec", None), ("ddtree", {"method": "ddtree", "model": str(drafter),

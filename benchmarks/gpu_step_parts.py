@@ -63,11 +63,11 @@ def case(R, B, topk_pruned, dev="cuda"):
     cu = qs.clone()
     T = R * W
     pos = (torch.arange(T, device=dev) % W + PREFIX).long()
-    fill = lambda: tb.fill_rows(qs, cu, idx, pos, R, T)  # noqa: E731
+    fill = lambda: tb.fill_rows(qs, cu, idx, pos, R, T)
     res["fill"] = timed(fill)
     res["fill/g"] = timed(graphed(fill))
     targets = draft_tokens.new_zeros(T)
-    walk = lambda: walk_verify(targets, cu, idx, tb.walk_tokens, tb.parents, D, R)  # noqa: E731
+    walk = lambda: walk_verify(targets, cu, idx, tb.walk_tokens, tb.parents, D, R)
     res["walk"] = timed(walk)
     res["walk/g"] = timed(graphed(walk))
     nblocks = R * ((PREFIX + W) // BS + 2)
@@ -78,7 +78,7 @@ def case(R, B, topk_pruned, dev="cuda"):
     path = torch.arange(D + 1, device=dev).expand(R, D + 1).contiguous()
     nacc = torch.full((R,), D + 1, device=dev)
     li = torch.arange(T, device=dev)
-    compact = lambda: comp(slots, li, cu, path, nacc, R)  # noqa: E731
+    compact = lambda: comp(slots, li, cu, path, nacc, R)
     res["compact36"] = timed(compact)
     res["compact36/g"] = timed(graphed(compact))
     kv = caches[0]

@@ -25,7 +25,6 @@ import random
 import statistics
 import sys
 
-
 INPROC = "@inproc"  # throughput.py's method suffix: engine core in-process
 
 
@@ -98,7 +97,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     runs = []
     for path in args.results:
-        res = json.load(open(path))
+        with open(path) as f:
+            res = json.load(f)
         if not res["meta"].get("interleaved"):
             print(f"{path}: not an interleaved run, skipped", file=sys.stderr)
             continue

@@ -503,7 +503,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--prompts", help="a .jsonl ({'prompt': ...}) or text file (blank-line x2 separated)")
+    ap.add_argument("--prompts",
+                    help="a .jsonl ({'prompt': ...}) or text file (blank-line x2 separated)")
     ap.add_argument("--num-prompts", type=int, default=64, help="cap for a training_log.json")
     ap.add_argument("--methods", default="ar,dflash,ddtree",
                     help="ar, dflash, dflash2 (a second DFlash engine, 'dflash-b': how far "
@@ -586,7 +587,7 @@ def main(argv=None) -> int:
           f"{'tok/s/req':>9} {'vs DFlash':>9} {'paired':>6} {'vs AR':>6} {'req/it':>6} "
           f"{'trimmed':>7} {'p.trim':>6} {'stalls':>6} {'stall s':>7}")
     for r in rows:
-        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        f = lambda v: f"{v:.2f}" if v is not None else "-"
         print(f"{r['method']:<18} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
               f"{r['step_ms']:>8.2f} {r['tok_s']:>9.1f} {r['tok_s_per_req']:>9.1f} "
               f"{f(r['vs_dflash']):>9} {f(r['paired_vs_dflash']):>6} {f(r['vs_ar']):>6} "

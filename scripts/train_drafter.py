@@ -273,13 +273,15 @@ def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Genera
     block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
     # mask [B, 1, N*bs, S + N*bs]: context strictly before the anchor, own block only
     q_blk = torch.arange(N, device=device).repeat_interleave(bs)
-    ctx_ok = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(bs, 1)[:, :, None]
+    ctx_ok = (torch.arange(S, device=device)[None, None, :]
+              < anchors.repeat_interleave(bs, 1)[:, :, None])
     blk_ok = (q_blk[:, None] == q_blk[None, :]).expand(B, -1, -1)
     mask = torch.cat([ctx_ok, blk_ok], 2)[:, None]
     return {
         "ids": ids, "lens": lens, "anchors": anchors, "lab_pos": lab_pos.clamp(max=S - 1),
         "valid": valid, "block_ids": block_ids.reshape(B, N * bs), "mask": mask,
-        "blk_pos": lab_pos.reshape(B, N * bs), "ctx_pos": torch.arange(S, device=device).expand(B, S),
+        "blk_pos": lab_pos.reshape(B, N * bs),
+        "ctx_pos": torch.arange(S, device=device).expand(B, S),
     }
 
 
@@ -302,12 +304,15 @@ class Trainer:
 
     @torch.no_grad()
     def target_pass(self, batch, labels: str):
-        am = (torch.arange(batch["ids"].shape[1], device=self.device)[None] < batch["lens"][:, None])
-        out = self.t.model(input_ids=batch["ids"], attention_mask=am.long(), output_hidden_states=True)
+        am = (torch.arange(batch["ids"].shape[1], device=self.device)[None]
+              < batch["lens"][:, None])
+        out = self.t.model(input_ids=batch["ids"], attention_mask=am.long(),
+                           output_hidden_states=True)
         hs = out.hidden_states
         feats = torch.cat([hs[i + 1] for i in self.layer_ids], -1)
         if labels == "text":
-            lab = torch.gather(batch["ids"], 1, batch["lab_pos"].flatten(1)).view_as(batch["lab_pos"])
+            lab = torch.gather(batch["ids"], 1,
+                               batch["lab_pos"].flatten(1)).view_as(batch["lab_pos"])
         else:  # the target's greedy next token: logits at position p-1 predict p
             B, N, bs = batch["lab_pos"].shape
             src = (batch["lab_pos"] - 1).clamp(min=0).flatten(1)
@@ -366,7 +371,8 @@ def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, dev
     indices of the prompts that were run)."""
     batches = []
     for t in sorted(set(temps)):
-        idx = sorted((i for i in range(len(prompts)) if temps[i] == t), key=lambda i: len(prompts[i]))
+        idx = sorted((i for i in range(len(prompts)) if temps[i] == t),
+                     key=lambda i: len(prompts[i]))
         batches += [(t, idx[j:j + batch_size]) for j in range(0, len(idx), batch_size)]
     random.Random(seed).shuffle(batches)
     seqs, starts, ran = [], [], []
@@ -481,8 +487,12 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_ddtree.demo.smollm import ensure_smollm
-    from vllm_ddtree.demo.smollm_data import (build_prompts, is_heldout, iter_documents,
-                                              prefetch_functions)
+    from vllm_ddtree.demo.smollm_data import (
+        build_prompts,
+        is_heldout,
+        iter_documents,
+        prefetch_functions,
+    )
 
     # ---- data (documents first: the parsing workers fork before CUDA or tokenizer threads)
     docs = list(iter_documents(tuple(args.sources.split(","))))
@@ -535,13 +545,15 @@ def main(argv=None) -> int:
                                  eos_id, device, args.seed, gen_deadline, log)
     kinds = [kinds[i] for i in ran]
     n_sample = sum(temps[i] > 0 for i in ran)
-    keep = [i for i, s in enumerate(seqs) if not bool((s == mask_id).any()) and len(s) - starts[i] >= 2]
+    keep = [i for i, s in enumerate(seqs)
+            if not bool((s == mask_id).any()) and len(s) - starts[i] >= 2]
     seqs = [seqs[i][:args.seq_len] for i in keep]
     starts = [starts[i] for i in keep]
     gen_tokens = sum(len(s) - st for s, st in zip(seqs, starts))
     gen_s = time.perf_counter() - t_gen
     log(f"self-distillation: {len(seqs)} sequences, {gen_tokens} generated tokens in {gen_s:.0f} s "
-        f"({kinds.count('chat')} chat, {kinds.count('code')} code prompts, {n_sample} sampled at T=1)")
+        f"({kinds.count('chat')} chat, {kinds.count('code')} code prompts, "
+        f"{n_sample} sampled at T=1)")
     eval_prompts, _ = build_prompts(tok, held_docs, args.eval_prompts, random.Random(args.seed + 1),
                                     args.chat_frac, args.max_prompt_tokens)
     ev_seqs, ev_starts, _ = generate(target, eval_prompts, [0.0] * len(eval_prompts),
@@ -630,21 +642,25 @@ def main(argv=None) -> int:
     drafter.eval()
     ev = evaluate(trainer, ev_seqs, ev_starts, args, device, mask_id, pad_id)
     log(f"held-out: {ev['blocks']} blocks, loss {ev['loss']:.4f}, "
-        f"DFlash-chain tau (T=0) ~ {ev['tau_chain']:.3f}, acc per depth {ev['acc_per_depth'][:5]}...")
+        f"DFlash-chain tau (T=0) ~ {ev['tau_chain']:.3f}, "
+        f"acc per depth {ev['acc_per_depth'][:5]}...")
 
     # ---- save
     from safetensors.torch import save_file
 
-    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()
-          if k != "inv_freq"}
-    save_file(dict(sorted(sd.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    sd = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
+          for k, v in drafter.state_dict().items() if k != "inv_freq"}
+    save_file(dict(sorted(sd.items())), str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     info = {
         "format_version": FORMAT_VERSION,
-        "command": "python3 -m scripts.train_drafter " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python3 -m scripts.train_drafter "
+                   + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": vars(args),
         "steps_done": steps_done, "stopped_early": stopped_early,
-        "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
         "target_tokens_seen": tokens_seen,
         "documents": {"train": len(train_docs), "heldout": len(held_docs),
                       "train_text_mb": round(sum(len(d.text) for d in train_docs) / 1e6, 2)},
@@ -652,14 +668,16 @@ def main(argv=None) -> int:
         "heldout_documents": [d.key for d in held_docs],
         "raw_tokens": int(raw.numel()),
         "self_distillation": {"sequences": len(seqs), "generated_tokens": gen_tokens,
-                              "chat_prompts": kinds.count("chat"), "code_prompts": kinds.count("code"),
+                              "chat_prompts": kinds.count("chat"),
+                              "code_prompts": kinds.count("code"),
                               "sampled_t1": n_sample, "seconds": round(gen_s, 1)},
         "heldout_eval": ev, "history": history,
         "heldout_eval_prompts": eval_prompts,  # token ids, for acceptance benchmarks
         "parameters": n_params,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__,
-                     "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"},
+                     "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
+                                else platform.processor() or "cpu")},
         "target": {"dir": str(target_dir), "layers": tcfg["num_hidden_layers"]},
     }
     (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -669,7 +687,8 @@ def main(argv=None) -> int:
     size = (out_dir / "model.safetensors").stat().st_size
     log(f"wrote {out_dir} (model.safetensors {size / 1e6:.1f} MB)")
     if size > 25e6:
-        log("WARNING: model.safetensors is over 25 MB; use fewer --layers or a smaller --intermediate")
+        log("WARNING: model.safetensors is over 25 MB; "
+            "use fewer --layers or a smaller --intermediate")
     return 0
 
 
@@ -685,8 +704,8 @@ def evaluate(trainer, seqs, starts, args, device, mask_id, pad_id):
         sel = [j for j in range(len(bs_)) if len(bs_[j]) - st_[j] >= BLOCK_SIZE]
         if not sel:
             continue
-        batch = make_batch([bs_[j][:args.seq_len] for j in sel], [st_[j] for j in sel], args.anchors,
-                           mask_id, pad_id, g, device, full_blocks_only=True)
+        batch = make_batch([bs_[j][:args.seq_len] for j in sel], [st_[j] for j in sel],
+                           args.anchors, mask_id, pad_id, g, device, full_blocks_only=True)
         loss, hit, valid = trainer.loss(batch, "target")  # what the target's verify pass picks
         full = valid[:, :, 1:].all(-1)
         h = hit[full]  # [blocks, 15]
@@ -709,8 +728,17 @@ def model_card(cfg: dict, info: dict) -> str:
     hist = info["history"]
     first, last = (hist[0], hist[-1]) if hist else ({}, {})
     dc = cfg["dflash_config"]
-    mask_note = (": a notebook marker the instruct model never emits, with an untrained embedding row"
+    mask_note = (": a notebook marker the instruct model never emits, "
+                 "with an untrained embedding row"
                  if info["mask_token"] == MASK_TOKEN else "")
+    arch = (f"`DFlashDraftModel` (Qwen3-style layers), hidden {cfg['hidden_size']}, "
+            f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, "
+            f"head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']}")
+    layers = f"{dc['target_layer_ids']} of {cfg['num_target_layers']}"
+    labels_note = ("the target's greedy next token at every position"
+                   if a['labels'] == 'target' else 'the text itself')
+    early_note = (" (ended by the --max-minutes budget; the schedule follows it)"
+                  if info['stopped_early'] else '')
     return f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
@@ -727,9 +755,9 @@ published z-lab format: vLLM loads it with
 
 | | |
 |---|---|
-| architecture | `DFlashDraftModel` (Qwen3-style layers), hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']} |
+| architecture | {arch} |
 | parameters | {info['parameters'] / 1e6:.2f} M (bf16); embedding and LM head are the target's |
-| `target_layer_ids` | {dc['target_layer_ids']} of {cfg['num_target_layers']} (DFlash's rule, spread over [1, L-3]) |
+| `target_layer_ids` | {layers} (DFlash's rule, spread over [1, L-3]) |
 | mask token | `{info['mask_token']}` (id {dc['mask_token_id']}){mask_note} |
 | block size | {cfg['block_size']} (15 drafted tokens per step) |
 
@@ -747,11 +775,11 @@ transformers {info['versions']['transformers']}, Python {info['versions']['pytho
   {sd['sampled_t1']} sampled at T = 1, the rest greedy; up to {a['gen_tokens']} new tokens):
   {sd['generated_tokens']} generated tokens. Raw text: {info['raw_tokens']} tokens,
   {a['raw_frac']:.0%} of each batch.
-- **Labels**: {"the target's greedy next token at every position" if a['labels'] == 'target' else 'the text itself'}.
+- **Labels**: {labels_note}.
 - **Loss** (DFlash): {a['anchors']} random anchors per sequence, block `[x_a, MASK x 15]`
   attending to the target features of positions `< a` and bidirectionally within the block;
   cross-entropy on rows 1..15 weighted by `exp(-(k-1)/{a['gamma']})`.
-- **Optimisation**: {info['steps_done']} steps{' (ended by the --max-minutes budget; the schedule follows it)' if info['stopped_early'] else ''}
+- **Optimisation**: {info['steps_done']} steps{early_note}
   of {a['batch']} sequences x {a['seq_len']} tokens, AdamW lr {a['lr']} (warmup {a['warmup']},
   cosine to 10 %), bf16 autocast on GPU; {info['train_seconds']} s of training,
   {info['target_tokens_seen']} target tokens.

@@ -14,7 +14,7 @@ if not _gpu:
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

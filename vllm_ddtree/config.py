@@ -14,8 +14,8 @@ User-facing knobs, all inside ``--speculative-config``:
 * ``ddtree_max_depth`` (optional): caps the tree depth D.
 * ``ddtree_adaptive_budget`` (optional, default false): B becomes the largest budget and
   vLLM's per-batch-size draft count (``num_speculative_tokens_per_batch_size``) is set
-  from :mod:`vllm_ddtree.adaptive.schedule`'s cost model (big trees at small batches).  ``"online"``:
-  the same, then re-tuned while serving from the trees' own expected acceptance
+  from :mod:`vllm_ddtree.adaptive.schedule`'s cost model (big trees at small batches).
+  ``"online"``: the same, then re-tuned while serving from the trees' own expected acceptance
   (:class:`vllm_ddtree.adaptive.online.OnlineSchedule`).
 
 The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After

@@ -1,6 +1,7 @@
 """CPU smoke test of the acceptance benchmark (``python3 -m benchmarks.acceptance``) on the
 real pair: SmolLM2-135M + a DFlash drafter trained here for a few steps
-(``python3 -m scripts.train_drafter --tiny``).  Two held-out prompts x 16 greedy tokens, chain and DDTree at budgets 16 and 32;
+(``python3 -m scripts.train_drafter --tiny``).  Two held-out prompts x 16 greedy tokens, chain
+and DDTree at budgets 16 and 32;
 the reference loop on one prompt must give the same tau as vLLM (fp32: exact)."""
 
 import json
@@ -42,7 +43,8 @@ def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "acceptance.json").read_text())
 
-    assert {"command", "versions", "config", "prompts", "vllm", "reference", "best_ddtree"} <= set(res)
+    assert {"command", "versions", "config", "prompts", "vllm", "reference",
+            "best_ddtree"} <= set(res)
     assert len(res["prompts"]) == 2 and all(p["kind"] in ("code", "chat") for p in res["prompts"])
     rows = {(r["method"], r["budget"]): r for r in res["vllm"]}
     assert set(rows) == {("dflash", 15), ("ddtree", 16), ("ddtree", 32)}
@@ -67,4 +69,5 @@ def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
 
     for name in ("tau_vs_budget.png", "accept_hist.png"):
         assert (tmp_path / name).stat().st_size > 1000
-    assert proc.stdout.rstrip().splitlines()[-1].split()[:2] == ["ddtree", "32"]  # the table is last
+    # the table is last
+    assert proc.stdout.rstrip().splitlines()[-1].split()[:2] == ["ddtree", "32"]

@@ -3,8 +3,15 @@ prompts a repeat takes, how a cell totals its runs, and the paired ratio."""
 
 import pytest
 
-from benchmarks.throughput import (Run, _cell, add_ratios, build_methods, cell_row, cpu_sets,
-                                   trim_stalls)
+from benchmarks.throughput import (
+    Run,
+    _cell,
+    add_ratios,
+    build_methods,
+    cell_row,
+    cpu_sets,
+    trim_stalls,
+)
 
 
 def test_each_repeat_takes_the_next_prompts():
@@ -55,7 +62,7 @@ def test_cpu_sets_are_disjoint_contiguous_and_cover_every_cpu():
 
 
 def test_methods_static_budgets_and_adaptive_maximum():
-    names = lambda ms: [(n, w) for n, _, w in ms]  # noqa: E731
+    names = lambda ms: [(n, w) for n, _, w in ms]
     ms = build_methods(["dflash", "dflash2", "ddtree-15", "ddtree-auto"], [63], "D", 15)
     assert names(ms) == [("dflash", 16), ("dflash-b", 16), ("ddtree-15", 16),
                          ("ddtree-auto", 64)]
@@ -134,7 +141,7 @@ def test_inproc_engines_are_compared_with_the_inproc_reference():
     assert reference("ddtree-15@inproc", "dflash", names) == "dflash@inproc"
     assert reference("ddtree-15", "dflash", names) == "dflash"
     assert reference("ddtree-15@inproc", "dflash", {"dflash"}) == "dflash"  # none in-process
-    row = lambda m, x: dict(method=m, temperature=0.0, batch=1, tok_s_runs=[x])  # noqa: E731
+    row = lambda m, x: dict(method=m, temperature=0.0, batch=1, tok_s_runs=[x])
     ratios = paired([row("dflash", 100.0), row("dflash@inproc", 50.0),
                      row("ddtree-15", 120.0), row("ddtree-15@inproc", 80.0)])
     assert ratios[("ddtree-15@inproc", 0.0, 1)] == pytest.approx([1.6])

@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from vllm_ddtree.adaptive.schedule import (best_budget, budget_schedule, candidates, step_cost, tau)
+from vllm_ddtree.adaptive.schedule import best_budget, budget_schedule, candidates, step_cost, tau
 from vllm_ddtree.testing.metrics import spec_counts
 
 
@@ -39,10 +39,10 @@ def test_model_pieces():
 
 def test_config_sets_vllm_schedule(root):
     vllm = pytest.importorskip("vllm")  # noqa: F841
-    import vllm_ddtree
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.config.speculative import SpeculativeConfig
 
+    import vllm_ddtree
     from vllm_ddtree.config import DDTreeConfigError
     from vllm_ddtree.testing.fixtures import make_tiny_pair
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _files(d):
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {p.relative_to(d).as_posix(): p.read_bytes()
+            for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def test_deterministic_bytes(tmp_path):
@@ -31,12 +32,13 @@ def test_deterministic_bytes(tmp_path):
         a = make_tiny_pair(tmp_path / "a", variant)[0].parent
         b = make_tiny_pair(tmp_path / "b", variant)[0].parent
         fa, fb = _files(a), _files(b)
-        assert set(fa) >= {"target/model.safetensors", "target/config.json", "target/tokenizer.json",
-                           "target/tokenizer_config.json", "drafter/model.safetensors",
-                           "drafter/config.json", ".complete"}
+        assert set(fa) >= {"target/model.safetensors", "target/config.json",
+                           "target/tokenizer.json", "target/tokenizer_config.json",
+                           "drafter/model.safetensors", "drafter/config.json", ".complete"}
         assert fa == fb, variant
     # variants really differ
-    assert _files(tmp_path / "a" / "random-float32") != _files(tmp_path / "a" / "accept_all-float32")
+    assert (_files(tmp_path / "a" / "random-float32")
+            != _files(tmp_path / "a" / "accept_all-float32"))
 
 
 def test_cache_marker_and_errors(tmp_path):
@@ -62,8 +64,9 @@ def test_loads_with_transformers(root):
     model = AutoModelForCausalLM.from_pretrained(t)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     cfg = model.config
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (6, 128, 4, 2, 64, 256, 512)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.vocab_size) == (6, 128, 4, 2, 64, 256, 512)
     assert not cfg.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     # every stored tensor was loaded (no random re-init): compare with the file
@@ -77,7 +80,8 @@ def test_loads_with_transformers(root):
     ids = tok.encode(text, add_special_tokens=False)
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
-    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [256, 257, 258]
+    assert tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [256, 257, 258]
     assert tok.encode("a<|im_end|>", add_special_tokens=False) == [TOKEN_A, 258]
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)

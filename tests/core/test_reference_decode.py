@@ -37,7 +37,8 @@ def _greedy(target, ids, n):
     out = target(torch.tensor([ids]), use_cache=True)
     toks = [int(out.logits[0, -1].argmax())]
     for _ in range(n - 1):
-        out = target(torch.tensor([[toks[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        out = target(torch.tensor([[toks[-1]]]), past_key_values=out.past_key_values,
+                     use_cache=True)
         toks.append(int(out.logits[0, -1].argmax()))
     return toks
 
@@ -46,11 +47,15 @@ def _greedy(target, ids, n):
 def test_drafter_matches_hf_modules(random_pair):
     """The drafter forward, rebuilt from transformers' own Qwen3 modules."""
     from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm,
-                                                          Qwen3RotaryEmbedding)
+    from transformers.models.qwen3.modeling_qwen3 import (
+        Qwen3DecoderLayer,
+        Qwen3RMSNorm,
+        Qwen3RotaryEmbedding,
+    )
 
     target, drafter = random_pair
-    cfg = Qwen3Config(**{k: v for k, v in drafter.cfg.items() if k not in ("architectures", "auto_map")})
+    cfg = Qwen3Config(**{k: v for k, v in drafter.cfg.items()
+                         if k not in ("architectures", "auto_map")})
     cfg._attn_implementation = "eager"
     w = drafter.w
     layers = []
@@ -163,7 +168,8 @@ def test_accept_all_accepts_every_draft(root, budget):
     assert toks == [TOKEN_A] * N_NEW and acc == [16] * len(acc)
     # sampling at T=1 follows the (extremely confident) target as well
     g = torch.Generator().manual_seed(0)
-    toks, acc = ddtree_generate(target, drafter, _prompt(4), 20, budget, temperature=1.0, generator=g)
+    toks, acc = ddtree_generate(target, drafter, _prompt(4), 20, budget, temperature=1.0,
+                                generator=g)
     assert toks == [TOKEN_A] * 20 and acc[0] == depth + 1
 
 

@@ -6,8 +6,11 @@ import os
 import pytest
 import torch
 
-from vllm_ddtree.kernels.tree_attention import (merge_attn_states, tree_attention_torch,
-                                                tree_attention_triton)
+from vllm_ddtree.kernels.tree_attention import (
+    merge_attn_states,
+    tree_attention_torch,
+    tree_attention_triton,
+)
 from vllm_ddtree.tree import build_tree, tree_layout
 
 

@@ -37,7 +37,7 @@ def test_greedy_rows_and_filters():
 
 
 def test_seeded_rows_reproducible():
-    gens = lambda: {i: torch.Generator().manual_seed(i) for i in range(8)}  # noqa: E731
+    gens = lambda: {i: torch.Generator().manual_seed(i) for i in range(8)}
     logits = torch.randn(8, 50)
     first = sample_rows(logits, torch.ones(8), generators=gens())
     assert torch.equal(first, sample_rows(logits, torch.ones(8), generators=gens()))

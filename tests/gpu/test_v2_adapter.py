@@ -90,8 +90,8 @@ def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
     import torch
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    from vllm_ddtree.gpu.model_state import DDTreeModelState
     from vllm_ddtree.gpu.buffers import TreeBuffers
+    from vllm_ddtree.gpu.model_state import DDTreeModelState
 
     monkeypatch.setattr(DefaultModelState, "add_request", lambda self, i, data: None)
     state = DDTreeModelState.__new__(DDTreeModelState)

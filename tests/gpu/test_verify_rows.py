@@ -7,8 +7,13 @@ import os
 import pytest
 import torch
 
-from vllm_ddtree.gpu.verify_rows import (KVCompactor, causal_words, compact_kv_torch,
-                                             fill_tree_rows, fill_tree_rows_torch)
+from vllm_ddtree.gpu.verify_rows import (
+    KVCompactor,
+    causal_words,
+    compact_kv_torch,
+    fill_tree_rows,
+    fill_tree_rows_torch,
+)
 from vllm_ddtree.tree import build_tree, tree_layout
 
 needs_interp = pytest.mark.skipif(

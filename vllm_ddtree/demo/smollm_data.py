@@ -139,7 +139,8 @@ def _functions(text: str) -> list[tuple[str, str, str]]:
     nodes += [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
     out = []
     for node in nodes:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+        if (not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or node.name.startswith("_")):
             continue
         doc = ast.get_docstring(node)
         if not doc or node.end_lineno - node.lineno > 80:
@@ -187,7 +188,8 @@ def chat_prompts(doc: Doc, rng: random.Random, k: int = 2) -> list[str]:
     """Up to ``k`` user messages (plain strings; apply the chat template yourself)."""
     msgs: list[str] = []
     if doc.source == "stdlib":
-        for sig, para, src in rng.sample(fns, min(k, len(fns))) if (fns := documented_functions(doc)) else []:
+        for sig, para, src in (rng.sample(fns, min(k, len(fns)))
+                               if (fns := documented_functions(doc)) else []):
             if rng.random() < 0.5:
                 msgs.append(f"Write a Python function `{sig}`: {para}")
             else:

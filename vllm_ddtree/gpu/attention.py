@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.attention.backends import flash_attn as fa
-from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
-                                                   FlashAttentionMetadata,
-                                                   FlashAttentionMetadataBuilder)
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
 
 from vllm_ddtree.gpu.buffers import TreeBuffers
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton

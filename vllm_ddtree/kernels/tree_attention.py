@@ -100,7 +100,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_attn_kernel(
-        Q, K, V, O, LSE, BT, QS, QE, PL, ANC, LSE_IN,
+        Q, K, V, OUT, LSE, BT, QS, QE, PL, ANC, LSE_IN,
         scale,
         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, s_anc,
         s_lt, s_lh, s_it, s_ih,
@@ -135,7 +135,7 @@ if HAS_TRITON:
             lse0 = tl.load(LSE_IN + (q0 + offs_m) * s_it + h * s_ih, mask=m_ok,
                            other=float("-inf"))
             has = (lse0 > float("-inf")) & (lse0 < float("inf"))
-            o0 = tl.load(O + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+            o0 = tl.load(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
                          mask=m_ok[:, None] & has[:, None], other=0.0).to(tl.float32)
             m_i = tl.where(has, lse0, float("-inf"))
             l_i = tl.where(has, 1.0, 0.0)
@@ -187,8 +187,8 @@ if HAS_TRITON:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-        tl.store(O + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
         if STORE_LSE:
             tl.store(LSE + (q0 + offs_m) * s_lt + h * s_lh, lse, mask=m_ok)
 

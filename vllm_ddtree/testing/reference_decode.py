@@ -61,7 +61,8 @@ class DFlashDrafterRef:
         self.theta = float(config.get("rope_theta") or rope["rope_theta"])
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> "DFlashDrafterRef":
+    def from_pretrained(cls, path: str | Path,
+                        dtype: torch.dtype | None = None) -> DFlashDrafterRef:
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -101,7 +102,8 @@ class DFlashDrafterRef:
             o = torch.einsum("hqk,khd->qhd", att.softmax(-1).to(v.dtype), v)  # non-causal
             x = x + F.linear(o.reshape(bs, -1), w[p + "self_attn.o_proj.weight"])
             h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-            mlp = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
+            mlp = (F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"]))
+                   * F.linear(h, w[p + "mlp.up_proj.weight"]))
             x = x + F.linear(mlp, w[p + "mlp.down_proj.weight"])
         return _rms(x, w["norm.weight"], eps)
 
