@@ -28,9 +28,8 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm.logger import init_logger
-
     from vllm_ddtree import envs, version
+    from vllm_ddtree.logger import init_logger
 
     logger = init_logger(__name__)
     if envs.VLLM_DDTREE_DISABLE:

@@ -57,11 +57,13 @@ run time trees drafted from NaN/inf logits are dropped (:mod:`vllm_ddtree.drafte
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +138,20 @@ _DFLASH_EXTRA_ARCHITECTURES = frozenset({"MuseGlimmerAssistantModel"})
 
 class DDTreeConfigError(ValueError):
     """A DDTree speculative config is invalid; the message names field, value and fix."""
+
+
+def check_option_names(given: Iterable[str], known: Iterable[str]) -> None:
+    """Refuse a ``ddtree_*`` key of ``--speculative-config`` that is no option, with the
+    closest option named (vLLM's own message is a bare "unexpected keyword argument").
+    Other unknown keys are left to vLLM."""
+    options = sorted(name for name in known if name.startswith("ddtree"))
+    for name in given:
+        if name.startswith("ddtree") and name not in options:
+            close = difflib.get_close_matches(name, options, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise DDTreeConfigError(
+                f"speculative_config.{name} is not a DDTree option: {hint}"
+                f"the options are {', '.join(options)}.")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ each new power of two, so a failing drafter is visible without flooding the log.
 
 from __future__ import annotations
 
-from vllm.logger import init_logger
+from vllm_ddtree.logger import init_logger
 
 logger = init_logger(__name__)
 

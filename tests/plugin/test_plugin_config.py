@@ -524,3 +524,49 @@ def test_error_surfaces_through_engine_args(pair: tuple[str, str], tmp_path: Pat
     )
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is unsupported"):
         args.create_engine_config()
+
+
+# ------------------------------------------------------ option names, start-up line
+
+
+def test_misspelled_ddtree_option_names_the_closest(target_config: Any,
+                                                     pair: tuple[str, str]) -> None:
+    with pytest.raises(DDTreeConfigError,
+                       match=r"ddtree_max_dept is not a DDTree option: did you mean "
+                             r"'ddtree_max_depth'\?"):
+        spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_max_dept=4)
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_frobnicate .*the options are "
+                                                r"ddtree_adaptive_budget, "):
+        spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_frobnicate=1)
+
+
+def test_start_up_line_names_ddtree(target_config: Any, pair: tuple[str, str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ddtree import logger as ddtree_logger
+
+    lines: list[str] = []
+
+    class Recorder:
+        def info_once(self, msg: str, *args: Any) -> None:
+            lines.append(msg % args)
+
+    monkeypatch.setattr(ddtree_logger, "init_logger", lambda name: Recorder())
+    spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_max_depth=3)
+    assert lines == [f"vllm-ddtree: DDTree speculative decoding on: budget 8 (fixed), "
+                     f"depth 3, drafter {pair[1]}."]
+
+
+def test_package_loggers_sit_under_vllms_logger() -> None:
+    """vLLM configures the ``vllm`` logger only: the package's loggers must be below it
+    for their lines (INFO included) to reach vLLM's handler."""
+    import logging
+
+    from vllm_ddtree import drafter_faults
+    from vllm_ddtree.logger import init_logger
+
+    assert drafter_faults.logger.name == "vllm.vllm_ddtree.drafter_faults"
+    ancestors, node = [], init_logger("vllm_ddtree.x").parent
+    while node is not None:
+        ancestors.append(node)
+        node = node.parent
+    assert logging.getLogger("vllm") in ancestors

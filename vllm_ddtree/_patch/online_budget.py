@@ -41,10 +41,9 @@ def attach(scheduler) -> None:
     lookup = getattr(scheduler, "dynamic_sd_lookup", None)
     if lookup is None or not is_online(spec):  # (vLLM drops the schedule under DP > 1)
         return
-    from vllm.logger import init_logger
-
     from vllm_ddtree.adaptive.channel import StatsChannel, channel_dir_name
     from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
+    from vllm_ddtree.logger import init_logger
 
     budget, depth = ddtree_params(spec)
     policy = OnlineSchedule(budget, depth, len(lookup) - 1)

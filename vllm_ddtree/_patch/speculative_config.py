@@ -156,14 +156,27 @@ def _make_post_init(original: Any) -> Any:
             # Unguessable, and drawn here (not per process): the scheduler and its
             # worker find each other through the copies of this config they receive.
             setattr(self, ddcfg.CHANNEL_FIELD, secrets.token_hex(16))
+        _log_enabled(self, budget, depth, adaptive)
         return result
 
     return __post_init__
 
 
+def _log_enabled(spec: Any, budget: int, depth: int, adaptive: bool | str) -> None:
+    """One start-up line saying that DDTree is on (vLLM's own config line names the
+    DFlash plumbing, ``method='dflash'``)."""
+    from vllm_ddtree.logger import init_logger
+
+    schedule = {False: "fixed", True: "adaptive", ddcfg.ONLINE: "adaptive, online"}
+    init_logger(__name__).info_once(
+        "vllm-ddtree: DDTree speculative decoding on: budget %d (%s), depth %d, "
+        "drafter %s.", budget, schedule[adaptive], depth, spec.model)
+
+
 def _make_init(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        ddcfg.check_option_names(kwargs, type(self).__dataclass_fields__)
         if kwargs.get("method") == ddcfg.METHOD:
             ddcfg.check_num_speculative_tokens(kwargs.get("num_speculative_tokens"))
         original(self, *args, **kwargs)

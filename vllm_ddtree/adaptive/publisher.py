@@ -28,7 +28,7 @@ ATTACH_TRIES = 64  # steps to wait for the scheduler's channel before giving up
 
 
 def _warn(message: str, *args: Any) -> None:
-    from vllm.logger import init_logger
+    from vllm_ddtree.logger import init_logger
 
     init_logger(__name__).warning(message, *args)
 

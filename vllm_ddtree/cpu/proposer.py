@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -28,6 +27,7 @@ from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.cpu.tree_store import ScheduledTree, TreeStore
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
+from vllm_ddtree.logger import init_logger
 from vllm_ddtree.tree import build_tree, drop_nonfinite
 
 logger = init_logger(__name__)

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
@@ -41,6 +40,7 @@ from vllm_ddtree.cpu.tree_store import (
     VerifyStep,
     stack_trees,
 )
+from vllm_ddtree.logger import init_logger
 from vllm_ddtree.tree import compaction_plan, tree_layout, walk_tree
 from vllm_ddtree.tree.sampling import keyed_generator, sample_rows
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
 from vllm_ddtree.gpu.buffers import TreeBuffers, needs_chain
+from vllm_ddtree.logger import init_logger
 
 if TYPE_CHECKING:
     import torch.nn as nn

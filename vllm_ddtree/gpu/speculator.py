@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
-from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.adaptive.publisher import make_publisher
@@ -36,6 +35,7 @@ from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.gpu.buffers import Accepted, TreeBuffers
 from vllm_ddtree.gpu.verify_rows import KVCompactor
+from vllm_ddtree.logger import init_logger
 from vllm_ddtree.tree import build_tree
 
 if TYPE_CHECKING:
