@@ -142,7 +142,9 @@ def doctor() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-ddtree", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vllm-ddtree",
+        description="DDTree tree speculative decoding for vLLM (method 'ddtree'): tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check that DDTree can run with the installed vLLM")
     args = parser.parse_args(argv)

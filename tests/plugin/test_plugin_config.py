@@ -570,3 +570,14 @@ def test_package_loggers_sit_under_vllms_logger() -> None:
         ancestors.append(node)
         node = node.parent
     assert logging.getLogger("vllm") in ancestors
+
+
+def test_cli_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_ddtree.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "doctor" in text and "DDTree" in text
+    assert "``" not in text and ":func:" not in text  # no reST markup
