@@ -141,12 +141,13 @@ class DDTreeConfigError(ValueError):
 
 
 def check_option_names(given: Iterable[str], known: Iterable[str]) -> None:
-    """Refuse a ``ddtree_*`` key of ``--speculative-config`` that is no option, with the
-    closest option named (vLLM's own message is a bare "unexpected keyword argument").
-    Other unknown keys are left to vLLM."""
-    options = sorted(name for name in known if name.startswith("ddtree"))
+    """Refuse a ``ddtree_*`` key of ``--speculative-config`` that is no field of the
+    config (``known``), naming the closest user option (vLLM's own message is a bare
+    "unexpected keyword argument").  Other unknown keys are left to vLLM."""
+    known = set(known)
+    options = (MAX_DEPTH_FIELD, ADAPTIVE_FIELD)  # the others are set by vllm-ddtree
     for name in given:
-        if name.startswith("ddtree") and name not in options:
+        if name.startswith("ddtree") and name not in known:
             close = difflib.get_close_matches(name, options, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise DDTreeConfigError(

@@ -536,7 +536,7 @@ def test_misspelled_ddtree_option_names_the_closest(target_config: Any,
                              r"'ddtree_max_depth'\?"):
         spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_max_dept=4)
     with pytest.raises(DDTreeConfigError, match=r"ddtree_frobnicate .*the options are "
-                                                r"ddtree_adaptive_budget, "):
+                                                r"ddtree_max_depth, ddtree_adaptive_budget\.$"):
         spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_frobnicate=1)
 
 
