@@ -1,4 +1,4 @@
-# Sourced by the GPU lease scripts (gpu_lease.sh, gpu_tp.sh): shared shell helpers.
+# Sourced by the GPU stage scripts (gpu_lease.sh, gpu_tp.sh): shared shell helpers.
 banner() { echo; echo "=== $* ($(date +%T))"; }
 # cleanup: stop vLLM servers and engines and wait (up to 30 s, then SIGKILL) until no
 # process holds GPU memory: an engine core still tearing down after `timeout` killed its

@@ -120,7 +120,7 @@ def main():
                 try:
                     r = case(R, B, topk_pruned=bool(pr))
                 except Exception as e:  # e.g. a kernel variant that fails to compile:
-                    # report it and keep the other rows of this (one-lease) run
+                    # report it and keep the other rows of this run
                     print(f"prune={pr} maxk={mk} R={R} B={B} failed: {e!r}"[:2000],
                           flush=True)
                     continue
