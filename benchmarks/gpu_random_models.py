@@ -4,8 +4,9 @@ and DDTree's step cost against vLLM's DFlash chain at equal verify width.
 
     python3 -m benchmarks.gpu_random_models --out $OUT [--shaped] [--tiny]
 
-``--shaped`` writes a Qwen3-shaped target (hidden 2048, 24 layers, 16/8 heads of 128,
-vocab 151936) and a 2-layer DFlash drafter with random weights under /tmp; ``--tiny``
+``--shaped`` writes a Qwen3-shaped target (``benchmarks.shaped_models``' ``qwen3-2b``:
+hidden 2048, 24 layers, 16/8 heads of 128, vocab 151936) and a 2-layer DFlash drafter
+with random weights under SHAPED_DIR (default /tmp/qwen3-2b-random); ``--tiny``
 uses the project's random tiny fixture.  Random drafts are almost never accepted, so each
 step emits ~one token and wall time / tokens ~ step time.
 
@@ -23,75 +24,6 @@ import os
 import random
 import time
 from pathlib import Path
-
-SHAPE = dict(hidden=2048, layers=24, heads=16, kv_heads=8, head_dim=128, inter=6144,
-             vocab=151936, draft_layers=2, target_layer_ids=[1, 12, 22])
-
-
-def gen_shaped(root: Path) -> tuple[Path, Path]:
-    import torch
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    t_dir, d_dir = root / "target", root / "drafter"
-    if (root / ".done").exists():
-        return t_dir, d_dir
-    s = SHAPE
-    H, NH, NKV, HD, FF, V = (s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["inter"],
-                             s["vocab"])
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*shape, std=0.02):
-        return (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16().cpu()
-
-    def one(n):
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    def layer(p):
-        return {f"{p}.self_attn.q_proj.weight": r(NH * HD, H),
-                f"{p}.self_attn.k_proj.weight": r(NKV * HD, H),
-                f"{p}.self_attn.v_proj.weight": r(NKV * HD, H),
-                f"{p}.self_attn.o_proj.weight": r(H, NH * HD),
-                f"{p}.self_attn.q_norm.weight": one(HD), f"{p}.self_attn.k_norm.weight": one(HD),
-                f"{p}.input_layernorm.weight": one(H),
-                f"{p}.post_attention_layernorm.weight": one(H),
-                f"{p}.mlp.gate_proj.weight": r(FF, H), f"{p}.mlp.up_proj.weight": r(FF, H),
-                f"{p}.mlp.down_proj.weight": r(H, FF)}
-
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": H,
-           "intermediate_size": FF, "num_hidden_layers": s["layers"], "num_attention_heads": NH,
-           "num_key_value_heads": NKV, "head_dim": HD, "vocab_size": V,
-           "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-           "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2}
-    for d in (t_dir, d_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    vocab = {f"<{i}>": i for i in range(1000)}
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0>")),
-        unk_token="<0>", eos_token="<2>")
-    tok.save_pretrained(t_dir)
-    (t_dir / "config.json").write_text(json.dumps(cfg))
-    sd = {"model.embed_tokens.weight": r(V, H), "lm_head.weight": r(V, H),
-          "model.norm.weight": one(H)}
-    for i in range(s["layers"]):
-        sd.update(layer(f"model.layers.{i}"))
-    save_file(sd, str(t_dir / "model.safetensors"), metadata={"format": "pt"})
-    ids = s["target_layer_ids"]
-    sd = {"fc.weight": r(H, H * len(ids)), "hidden_norm.weight": one(H), "norm.weight": one(H)}
-    for i in range(s["draft_layers"]):
-        sd.update(layer(f"layers.{i}"))
-    save_file(sd, str(d_dir / "model.safetensors"), metadata={"format": "pt"})
-    dcfg = dict(cfg, architectures=["DFlashDraftModel"], num_hidden_layers=s["draft_layers"],
-                block_size=16, num_target_layers=s["layers"],
-                dflash_config={"mask_token_id": 999, "target_layer_ids": ids},
-                tie_word_embeddings=True, auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-                layer_types=["full_attention"] * s["draft_layers"])
-    (d_dir / "config.json").write_text(json.dumps(dcfg))
-    (root / ".done").write_text("ok")
-    return t_dir, d_dir
-
 
 TP = int(os.environ.get("TP", "1"))  # tensor-parallel size of every engine
 
@@ -196,7 +128,10 @@ def main():
         t, d = make_tiny_pair(out / "fixtures", "random", "bfloat16")
         rows += run("tiny-random", t, d, max_id=250, **{"budgets": (15, 60, 240), **kw})
     if args.shaped:
-        t, d = gen_shaped(Path(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random")))
+        from benchmarks.shaped_models import write_pair
+
+        t, d = write_pair(os.environ.get("SHAPED_DIR", "/tmp/qwen3-2b-random"), "qwen3-2b",
+                          "random")
         rows += run("qwen3-2048x24-random", t, d, **kw)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     print("\nmodel                 method  k   batch identical near-tie/mismatch  max-ulps  "

@@ -54,13 +54,15 @@ DEFAULT_PROMPTS = [
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list:
-    """Text prompts, or token-id prompts from a drafter's ``training_log.json`` (its
-    held-out evaluation prompts, never trained on)."""
+    """Text prompts, or token-id prompts from a ``.json`` file: a list of token-id lists,
+    or a drafter's ``training_log.json`` (its held-out evaluation prompts, never trained
+    on)."""
     if not path:
         return DEFAULT_PROMPTS
     text = Path(path).read_text()
     if path.endswith(".json"):
-        ids = json.loads(text)["heldout_eval_prompts"]
+        data = json.loads(text)
+        ids = data if isinstance(data, list) else data["heldout_eval_prompts"]
         return [{"prompt_token_ids": p} for p in ids[:limit or None]]
     if path.endswith(".jsonl"):
         return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
@@ -142,6 +144,8 @@ def make_engine(args, spec, width):
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_mem,
               disable_log_stats=False, enforce_eager=args.eager, speculative_config=spec,
               tensor_parallel_size=args.tp, enable_prefix_caching=False)
+    if args.jit_verbose:  # vLLM logs every Triton compilation after its warm-up
+        kw["jit_monitor_verbose"] = True
     if not args.eager:
         kw["compilation_config"] = {"max_cudagraph_capture_size":
                                     min(max(args.batches) * width, args.max_num_batched_tokens)}
@@ -169,11 +173,12 @@ def cpu_sets(cpus, n: int) -> list:
 
 def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     """Child process: one engine, driven by the parent through ``conn``.  Commands
-    ``(what, temperature, batch, repeat)``, what = "warm" (a short generate: a first
-    call at a new shape may JIT-compile kernels), "run" (a timed generate -> :class:`Run`),
-    "profile" (-> :func:`profile_generate`'s dict); ``None`` stops.  Every reply is
-    ``(ok, value)``; a failure replies ``(False, traceback)``.  ``cpus``: the CPUs this
-    engine's processes are pinned to (``--pin-cpus``)."""
+    ``(what, temperature, batch, repeat)``, what = "warm" (two short generates, timed:
+    a first call at a new shape may JIT-compile kernels -> their wall times), "run" (a
+    timed generate -> :class:`Run`), "profile" (-> :func:`profile_generate`'s dict);
+    ``None`` stops.  Every reply is ``(ok, value)``; a failure replies ``(False,
+    traceback)``.  ``cpus``: the CPUs this engine's processes are pinned to
+    (``--pin-cpus``)."""
     import traceback
 
     try:
@@ -199,9 +204,13 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
             what, temp, n, rep = cmd
             batch = _cell(prompts, n, rep)
             if what == "warm":
-                llm.generate(batch, SamplingParams(temperature=temp, max_tokens=16,
-                                                   ignore_eos=True), use_tqdm=False)
-                conn.send((True, None))
+                sp = SamplingParams(temperature=temp, max_tokens=16, ignore_eos=True)
+                walls = []
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    llm.generate(batch, sp, use_tqdm=False)
+                    walls.append(time.perf_counter() - t0)
+                conn.send((True, walls))
                 continue
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
             if what == "run":
@@ -268,10 +277,12 @@ class Engine:
             self.proc.join()
 
 
-def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
+def cell_row(name, spec, temp, n, runs: list[Run], warm: tuple = ()) -> dict:
     """One cell's row from its repeats, totalled: every repeat has its own prompts and
     every engine the same ones, so totals compare like with like across engines (the
-    fastest run of each engine would not).  Every run's wall time is kept."""
+    fastest run of each engine would not).  Every run's wall time is kept; ``warm``: the
+    wall times of the cell's first and second short calls (a first-use stall shows as
+    the first above the second)."""
     wall = sum(r.wall for r in runs)
     toks = sum(r.tokens for r in runs)
     drafts = sum(r.drafts for r in runs)
@@ -292,6 +303,7 @@ def cell_row(name, spec, temp, n, runs: list[Run]) -> dict:
                 stall_s=sum(c for c, _ in cut), stalls=sum(k for _, k in cut),
                 tok_s_trimmed=toks / sum(trimmed),
                 tok_s_runs_trimmed=[r.tokens / w for r, w in zip(runs, trimmed)],
+                warm_calls_s=[round(w, 4) for w in warm],
                 median_gap_ms=[round(1000 * statistics.median(r.gaps[1:]), 3)
                                if len(r.gaps) > 1 else None for r in runs],
                 gaps_ms=[[round(1000 * g, 2) for g in r.gaps] for r in runs],
@@ -316,14 +328,13 @@ def run_cells(args, engines: list[Engine], bar) -> list[dict]:
     rows = []
     for temp in args.temps:
         for n in args.batches:
-            for e in engines:
-                e("warm", temp, n)
+            warm = {e.name: e("warm", temp, n) for e in engines}
             runs: dict[str, list[Run]] = {e.name: [] for e in engines}
             for rep in range(args.repeats):
                 for e in (engines if rep % 2 == 0 else engines[::-1]):
                     runs[e.name].append(e("run", temp, n, rep))
             for e in engines:
-                rows.append(cell_row(e.name, e.spec, temp, n, runs[e.name]))
+                rows.append(cell_row(e.name, e.spec, temp, n, runs[e.name], warm[e.name]))
                 if args.profile:
                     rows[-1].update(e("profile", temp, n))
                 bar.write(json.dumps(rows[-1]))
@@ -525,6 +536,9 @@ def main(argv=None) -> int:
                     help="pin each interleaved engine's processes to its own CPUs (auto: on "
                          "a GPU with at least two CPUs per engine; never with --sequential)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--jit-verbose", action="store_true",
+                    help="log every kernel JIT compilation after vLLM's warm-up (a "
+                         "first-use stall), not only the first of each kernel")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per cell, interleaved across engines; the cell "
                          "reports their totals and the median paired ratio")

@@ -1,0 +1,136 @@
+"""Equal-acceptance step cost: what a DDTree step costs against a DFlash step when both
+accept every draft.
+
+    python3 -m benchmarks.step_cost --out DIR [--shape qwen3-8b] [--models DIR]
+        [--methods ar,dflash,ddtree-15,ddtree-31,ddtree-63,ddtree-auto]
+        [--batches 1,8,32,64] [--temps 0,1] [--repeats 3] [--max-tokens 256]
+    python3 -m benchmarks.step_cost --cpu --out DIR      # smoke run: tiny shape, CPU
+
+The pair is ``benchmarks.shaped_models``' ``accept_all`` edit of ``--shape`` (random
+weights at full size, both models always emitting one token), written once under
+``--models``.  The DFlash chain (15 drafts) and every tree (which holds the chain) then
+accept all drafts at T = 0 and T = 1: tokens per step are equal and the ratio of step
+times is the step's own cost, GPU-bound at 8B shape.  The engines run interleaved
+through ``benchmarks.throughput`` (CUDA graphs on unless ``--eager``; ``--gpu-mem`` is
+shared by the engines alive at once, so at 8B shape give at most four methods per run).
+
+Step time: the median gap between two engine outputs within a run (a decode step;
+prefill excluded), the median over the repeats.  ``vs DFlash``: that step time over
+DFlash's in the same cell.  ``first / second``: wall times of the cell's first two
+16-token calls; a first call well above the second is a first-use stall (a kernel
+compiled at first use).  ``equal acc``: every speculative method of the cell reached
+DFlash's tokens per step within 2% (else its ratio is not pure step cost).  Prints the
+table last; writes ``results.json`` (throughput's rows) and ``step_cost.json``.  vLLM logs
+every kernel compiled after its warm-up ("JIT compilation during inference"): grep the
+log for the kernels behind a stall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+ACCEPT_TOL = 0.02  # relative tau difference under which two cells accept alike
+
+
+def write_prompts(path: Path, n: int = 64, seed: int = 0) -> Path:
+    """``n`` random token-id prompts of 16 to 32 tokens (ids below the shaped models'
+    word count), as throughput's token-prompt JSON."""
+    from benchmarks.shaped_models import NUM_WORDS
+
+    rnd = random.Random(seed)
+    ids = [[rnd.randrange(3, NUM_WORDS) for _ in range(rnd.randrange(16, 33))]
+           for _ in range(n)]
+    path.write_text(json.dumps(ids))
+    return path
+
+
+def step_rows(rows: list[dict]) -> list[dict]:
+    """One summary per throughput row: step ms (median over runs of the median output
+    gap), its ratio to DFlash's in the cell, and whether the cell accepts alike."""
+    def step_ms(r: dict) -> float:
+        return statistics.median(g for g in r["median_gap_ms"] if g is not None)
+
+    by = {(r["method"], r["temperature"], r["batch"]): r for r in rows}
+    out = []
+    for r in rows:
+        cell = (r["temperature"], r["batch"])
+        ref = by.get(("dflash", *cell))
+        spec = [x for x in rows if (x["temperature"], x["batch"]) == cell and x["method"] != "ar"]
+        equal = ref is not None and all(abs(x["tau"] / ref["tau"] - 1) <= ACCEPT_TOL
+                                        for x in spec)
+        ms = step_ms(r)
+        out.append(dict(method=r["method"], temperature=r["temperature"], batch=r["batch"],
+                        tau=r["tau"], step_ms=ms,
+                        step_ms_runs=r["median_gap_ms"],
+                        vs_dflash=ms / step_ms(ref) if ref else None,
+                        tok_s=r["tok_s"], req_per_engine_step=r["req_per_engine_step"],
+                        first_call_s=(r.get("warm_calls_s") or [None])[0],
+                        second_call_s=(r.get("warm_calls_s") or [None, None])[1],
+                        equal_acceptance=equal))
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'method':<14} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'vs DFlash':>9} "
+          f"{'reps ms':<24} {'first s':>7} {'second s':>8} {'req/it':>6} {'equal acc':>9}")
+    for r in rows:
+        f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
+        reps = "/".join(f(g) for g in r["step_ms_runs"])
+        print(f"{r['method']:<14} {r['temperature']:>3g} {r['batch']:>5} {r['tau']:>6.2f} "
+              f"{r['step_ms']:>8.2f} {f(r['vs_dflash'], 3):>9} {reps:<24} "
+              f"{f(r['first_call_s'], 3):>7} {f(r['second_call_s'], 3):>8} "
+              f"{r['req_per_engine_step']:>6.1f} {'yes' if r['equal_acceptance'] else 'NO':>9}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import throughput
+    from benchmarks.shaped_models import SHAPES, write_pair
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="step-cost-out")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help="default: qwen3-8b (tiny with --cpu)")
+    ap.add_argument("--models", default=None,
+                    help="where the pair is written (default: /tmp/vllm-ddtree-<shape>)")
+    ap.add_argument("--methods", default="ar,dflash,ddtree-15,ddtree-31,ddtree-63,ddtree-auto")
+    ap.add_argument("--auto-budget", type=int, default=63,
+                    help="largest budget of ddtree-auto")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--temps", default="0,1")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--gpu-mem", type=float, default=0.9)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="smoke settings: tiny shape on CPU")
+    args = ap.parse_args(argv)
+    shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, drafter = write_pair(args.models or f"/tmp/vllm-ddtree-{shape}", shape,
+                                 "accept_all", "cpu" if args.cpu else "cuda")
+    prompts = write_prompts(out / "prompts.json")
+    cmd = ["--target", str(target), "--drafter", str(drafter), "--out", str(out),
+           "--methods", args.methods, "--budgets", str(args.auto_budget),
+           "--batches", args.batches, "--temps", args.temps, "--repeats", str(args.repeats),
+           "--max-tokens", str(args.max_tokens), "--prompts", str(prompts),
+           "--max-model-len", "1024"]
+    cmd += ["--cpu"] if args.cpu else ["--gpu-mem", str(args.gpu_mem)]
+    cmd += ["--eager"] if args.eager else []
+    cmd += ["--jit-verbose"]  # every compilation mid-serving is logged: a first-use stall
+    rc = throughput.main(cmd)
+    if rc:
+        return rc
+    res = json.loads((out / "results.json").read_text())
+    rows = step_rows(res["rows"])
+    (out / "step_cost.json").write_text(json.dumps(
+        {"meta": dict(res["meta"], shape=shape), "rows": rows}, indent=1))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
