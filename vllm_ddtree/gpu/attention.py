@@ -126,6 +126,8 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
     # this engine's buffers (set by bind_tree_attention; vLLM creates the impl as a
     # FlashAttentionImpl, so there is no constructor of this class to pass them to)
     tree_buffers: TreeBuffers
+    # whether this layer has compiled the unfused kernel variant (_compile_unfused)
+    _ddtree_unfused_ready = False
 
     def forward(
         self,
@@ -148,6 +150,8 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         q = query[:num_tokens]
         out = output[:num_tokens]
+        if tree.fused and not self._ddtree_unfused_ready:
+            self._compile_unfused(q, key_cache, value_cache, meta, tree, out)
         if tree.fused:
             _, lse = fa.flash_attn_varlen_func(
                 q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=meta.query_start_loc,
@@ -167,6 +171,32 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
                                   self.scale, include_prefix=True, max_rows=tree.max_rows,
                                   query_end=tree.query_end, out=out, return_lse=False)
         return output
+
+    def _compile_unfused(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        meta: FlashAttentionMetadata,
+        tree: TreeAttnMeta,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    ) -> None:
+        """Compile the kernel variant of steps that mix a prefill with trees.  vLLM's
+        warm-up and capture passes only run uniform tree steps (the fused variant), so
+        the first mixed step would compile it mid-serving: a stall of ~0.3 s.  Done in
+        the first uncaptured tree step (vLLM's warm-up pass before capture) with the
+        step's own tensors (Triton specializes on their alignment and strides) and every
+        request's row range empty (``query_end = query_start``): the launch writes
+        nothing."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # a launch here would be recorded into the graph
+        num_reqs = meta.block_table.shape[0]
+        tree_attention_triton(q, key_cache, value_cache, meta.block_table,
+                              meta.query_start_loc, tree.prefix_lens, tree.row_bits,
+                              self.scale, include_prefix=True, max_rows=tree.max_rows,
+                              query_end=meta.query_start_loc[:num_reqs], out=out,
+                              return_lse=False)
+        self._ddtree_unfused_ready = True
 
 
 class DDTreeFlashAttentionBackend(FlashAttentionBackend):

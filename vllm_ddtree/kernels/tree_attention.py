@@ -98,7 +98,10 @@ def merge_attn_states(
 
 if HAS_TRITON:
 
-    @triton.jit
+    # The prefix log-sum-exp's strides follow the step's token count: specialized (on
+    # divisibility by 16), a step whose count falls in another class would compile the
+    # kernel again mid-serving.  They index one float per row, so nothing is lost.
+    @triton.jit(do_not_specialize=["s_it", "s_ih"])
     def _tree_attn_kernel(
         Q, K, V, OUT, LSE, BT, QS, QE, PL, ANC, LSE_IN,
         scale,
