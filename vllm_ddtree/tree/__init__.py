@@ -4,6 +4,7 @@ Imports nothing from vLLM.
 """
 
 from .build import DraftTree, build_tree, drop_nonfinite
+from .conditioned import build_conditioned_tree
 from .layout import CompactionPlan, TreeLayout, compaction_plan, tree_layout
 from .walk import walk_tree
 
@@ -12,6 +13,8 @@ __all__ = [
     "DraftTree",
     "build_tree",
     "drop_nonfinite",
+    # drafters whose children depend on their parent (a DSpark Markov head)
+    "build_conditioned_tree",
     # verifying: the walk along the target's tokens
     "walk_tree",
     # verify-pass metadata and the KV compaction it implies

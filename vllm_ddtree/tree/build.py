@@ -257,52 +257,58 @@ def build_tree(
     # Per-depth top-`width` sets, each sorted by key (best first).
     scores = [lp[:, 0, :]]  # depth 1: ranks 0..K-1 are already in key order
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
-    ranks = [torch.arange(K, device=dev).expand(R, K)]
-    sizes = [K]
+    tokens = [tok[:, 0, :]]
     pi_all, pr_all = pair_tensors(D, K, width, str(dev))
     npairs = pair_layout(D, K, width)[2]
     for d in range(1, D):
         pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
         cand = scores[-1][:, pi] + lp[:, d, :][:, pr]  # [R, P] float32, parent first
         key = pack_keys(cand, pi * K + pr)
-        n = min(width, pi.numel())
-        top = torch.topk(key, n, dim=1).values  # sorted: best first
+        top = torch.topk(key, min(width, pi.numel()), dim=1).values  # sorted: best first
         code = unpack_ties(top)
         parent_pos.append(code // K)
-        ranks.append(code % K)
+        tokens.append(torch.gather(tok[:, d, :], 1, code % K))
         scores.append(unpack_scores(top))
-        sizes.append(n)
+    return assemble_tree(scores, parent_pos, tokens, per_req, empty)
 
-    # Global top-`width` over the union of the per-depth sets.
+
+def assemble_tree(
+    scores: list[torch.Tensor],  # per depth: [R, n_d] float32, best first
+    parent_pos: list[torch.Tensor],  # per depth: [R, n_d] int64 parent position at d - 1
+    tokens: list[torch.Tensor],  # per depth: [R, n_d] int64 token ids
+    per_req: torch.Tensor,  # [R] int64 node budget of each request
+    out: DraftTree,  # empty trees of the allocated width, filled in place
+) -> DraftTree:
+    """The global best-first tree from per-depth top-``width`` sets, each in key order:
+    the top-``width`` of their union by (score, depth, position), parents mapped from
+    per-depth positions to node indices.  Every builder's last stage."""
+    R, width = out.token_ids.shape
+    dev = out.token_ids.device
     offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
+    for s in scores:
+        offsets.append(offsets[-1] + s.shape[1])
     all_scores = torch.cat(scores, dim=1)  # [R, total]
-    tie = torch.arange(offsets[-1], device=dev)  # = depth-major position: (depth, pos) order
     total = offsets[-1]
+    tie = torch.arange(total, device=dev)  # = depth-major position: (depth, pos) order
     n_out = min(width, total)
     gkey = pack_keys(all_scores, tie.expand(R, total))
     sel = unpack_ties(torch.topk(gkey, n_out, dim=1).values)  # [R, n_out] flat positions
 
     offs = cached_int64_tensor(tuple(offsets[:-1]), str(dev))
     depth_idx = torch.searchsorted(offs, sel, right=True) - 1  # 0-based depth
-    all_ranks = torch.cat(ranks, dim=1)
-    all_ppos = torch.cat(parent_pos, dim=1)
-    rank = torch.gather(all_ranks, 1, sel)
-    node_tok = torch.gather(tok.reshape(R, D * K), 1, depth_idx * K + rank)
+    node_tok = torch.gather(torch.cat(tokens, dim=1), 1, sel)
     node_score = torch.gather(all_scores, 1, sel)
 
     # Parent: flat position of (depth-1, parent_pos) -> index in the output order.
     flat_to_node = torch.full((R, total), -1, dtype=torch.int64, device=dev)
     flat_to_node.scatter_(1, sel, torch.arange(n_out, device=dev).expand(R, n_out))
-    ppos = torch.gather(all_ppos, 1, sel)
+    ppos = torch.gather(torch.cat(parent_pos, dim=1), 1, sel)
     parent_flat = (offs[(depth_idx - 1).clamp(min=0)] + ppos).clamp(min=0)
     parent_node = torch.gather(flat_to_node, 1, parent_flat)
     parents = torch.where(depth_idx == 0, torch.zeros_like(parent_node), parent_node + 1)
 
     num_nodes = per_req.clamp(max=n_out)
     live = torch.arange(n_out, device=dev).unsqueeze(0) < num_nodes.unsqueeze(1)
-    out = empty
     out.num_nodes = num_nodes
     out.token_ids[:, :n_out] = torch.where(live, node_tok, -1)
     out.parents[:, :n_out] = torch.where(live, parents, -1)

@@ -1,0 +1,93 @@
+"""Trees with parent-conditioned children (DSpark-style Markov head): the batched
+level-by-level build against the heap oracle, token for token, ties included.
+
+Inputs are multiples of 1/2 (logits) and 1/2 (Markov factors) with small rank, so every
+bias is exact in float32 whatever the summation order: the oracle's per-node bias and
+the batched one are the same numbers, and any difference is the build's."""
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree.conditioned import build_conditioned_tree, markov_bias
+from vllm_ddtree.tree.reference import build_conditioned_tree_heap
+
+
+def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: int):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(-spread, spread + 1, (R, D, V), generator=g).float() / 2
+    w1 = torch.randint(-2, 3, (v_target, rank), generator=g).float() / 2
+    w2 = torch.randint(-2, 3, (V, rank), generator=g).float() / 2
+    roots = torch.randint(0, v_target, (R,), generator=g)
+    return base, w1, w2, roots
+
+
+def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
+    n = int(tree.num_nodes[r])
+    return list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
+                    tree.depths[r, :n].tolist()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("D,V,budget", [(1, 7, 3), (3, 12, 7), (4, 9, 15), (5, 40, 30),
+                                        (6, 5, 63), (3, 24, 1)])
+@pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
+def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread):
+    base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
+    tree = build_conditioned_tree(base, roots, w1, w2, budget)
+    for r in range(3):
+        want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, budget)
+        assert _nodes(tree, r) == want
+        n = len(want)
+        assert (tree.token_ids[r, n:] == -1).all() and (tree.parents[r, n:] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed):
+    """A draft vocabulary of 10 ids inside a target vocabulary of 32: node tokens are
+    target ids, and each child distribution is conditioned on its parent's target id."""
+    base, w1, w2, roots = _case(seed, 2, 4, 10, rank=2, spread=4, v_target=32)
+    d2t = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:10]
+    tree = build_conditioned_tree(base, roots, w1, w2, 20, draft_to_target=d2t)
+    for r in range(2):
+        want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, 20,
+                                           draft_to_target=d2t.tolist())
+        assert _nodes(tree, r) == want
+        assert set(tree.token_ids[r, : len(want)].tolist()) <= set(d2t.tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_without_markov_bias_it_is_the_dflash_tree(seed):
+    """Zero Markov factors: every node's children share their depth's distribution,
+    and the tree is build_tree's, field for field."""
+    base, w1, w2, roots = _case(seed, 3, 5, 30, rank=2, spread=6, v_target=30)
+    got = build_conditioned_tree(base, roots, torch.zeros_like(w1), torch.zeros_like(w2), 31)
+    want = build_tree(base, 31, impl="torch")
+    for field in ("token_ids", "parents", "depths", "num_nodes", "scores"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_markov_head_steers_the_branches():
+    """Flat base logits and a Markov head that puts +8 on the token after ``t`` being
+    ``t + 1``: the best path from root 3 is 4, 5, 6, 7 (a DFlash tree over the same
+    base logits has no preference at all), each node's best child follows it."""
+    V, D = 16, 4
+    w1 = torch.eye(V)  # rank V: exact
+    w2 = torch.roll(torch.eye(V), 1, dims=0) * 8.0  # bias(t)[t + 1] = 8
+    assert torch.equal(markov_bias(w1, w2, torch.tensor([3]))[0].argmax(), torch.tensor(4))
+    tree = build_conditioned_tree(torch.zeros(1, D, V), torch.tensor([3]), w1, w2, 8)
+    nodes = _nodes(tree, 0)
+    path, cur = [], 0
+    for _ in range(D):  # follow each node's first child in best-first order
+        cur = next(j + 1 for j, (_, p, _) in enumerate(nodes) if p == cur)
+        path.append(nodes[cur - 1][0])
+    assert path == [4, 5, 6, 7]
+    assert nodes == build_conditioned_tree_heap(torch.zeros(D, V), 3, w1, w2, 8)
+
+
+def test_budget_zero_and_shape_errors():
+    base, w1, w2, roots = _case(0, 2, 3, 8, rank=2, spread=2, v_target=8)
+    empty = build_conditioned_tree(base, roots, w1, w2, 0)
+    assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
+    with pytest.raises(ValueError, match=r"\[R, D, V\]"):
+        build_conditioned_tree(base[0], roots, w1, w2, 4)

@@ -1,0 +1,104 @@
+"""DDTree trees whose branches are conditioned on their parent (DSpark-style drafters).
+
+A DSpark drafter gives per depth ``d`` base logits ``base[d]`` (draft vocabulary) and a
+low-rank Markov head: the logits of the token after ``t`` are ``base[d] + bias(t)``,
+``bias(t) = markov_w1[t] @ markov_w2.T`` (``markov_w1`` indexed by target token id,
+``markov_w2`` by draft token id).  Depth 1 is conditioned on the root (the request's
+last committed token).  So every node has its own child distribution, where a DFlash
+tree gives all nodes of a depth the same one.
+
+The tree is again the ``B`` best prefixes under the key of :mod:`.build`, ``(-score,
+depth, key rank of the parent, token rank)``, with the token rank taken within the
+parent's own distribution (logit descending, ties by lower draft id) and a prefix's
+score the float32 sum of its nodes' log-probabilities.  A path is never more probable
+than its prefix, so the set is prefix-closed and the per-depth argument of :mod:`.build`
+holds unchanged: depth ``d + 1``'s top-``B`` lies among the children of depth ``d``'s
+top-``B``, a parent at position ``i`` contributing its ``B // (i + 1)`` best children.
+The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth.
+
+Oracle: :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.kernels.build_tables import (
+    pack_keys,
+    pair_layout,
+    pair_tensors,
+    unpack_scores,
+    unpack_ties,
+)
+
+from .build import DraftTree, assemble_tree, depth_candidates
+
+
+def markov_bias(
+    markov_w1: torch.Tensor,  # [V_target, r]
+    markov_w2: torch.Tensor,  # [V_draft, r]
+    prev_tokens: torch.Tensor,  # [...] int64 target token ids
+) -> torch.Tensor:  # [..., V_draft] float32
+    """The Markov head's bias on the logits of the token after each of ``prev_tokens``."""
+    emb = markov_w1[prev_tokens].float()  # [..., r]
+    return emb @ markov_w2.float().T
+
+
+def build_conditioned_tree(
+    base_logits: torch.Tensor,  # [R, D, V_draft]
+    root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
+    markov_w1: torch.Tensor,  # [V_target, r]
+    markov_w2: torch.Tensor,  # [V_draft, r]
+    budget: int,
+    draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
+) -> DraftTree:
+    """The best-first DDTree of every request with parent-conditioned children.
+
+    Node tokens are target ids (``draft_to_target`` maps a reduced draft vocabulary;
+    the next depth's bias reads the mapped id, as the drafter's own sampler does).  Same
+    layout, determinism and tie rules as :func:`vllm_ddtree.tree.build.build_tree`; a
+    Python loop over depths only, no device-to-host copy.
+    """
+    if base_logits.dim() != 3:
+        raise ValueError(f"base_logits must be [R, D, V], got {tuple(base_logits.shape)}")
+    R, D, V = base_logits.shape
+    width, dev = int(budget), base_logits.device
+    if width < 0:
+        raise ValueError(f"build_conditioned_tree: budget must be >= 0, got {width}")
+    out = DraftTree(
+        token_ids=torch.full((R, width), -1, dtype=torch.int64, device=dev),
+        parents=torch.full((R, width), -1, dtype=torch.int64, device=dev),
+        depths=torch.zeros((R, width), dtype=torch.int64, device=dev),
+        num_nodes=torch.zeros((R,), dtype=torch.int64, device=dev),
+        scores=torch.full((R, width), float("-inf"), dtype=torch.float32, device=dev),
+        max_depth=D,
+    )
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return out
+
+    def to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids if draft_to_target is None else draft_to_target[ids]
+
+    K = min(width, V)
+    # depth 1: one distribution per request, conditioned on the root
+    logits = base_logits[:, 0, :].float() + markov_bias(markov_w1, markov_w2, root_tokens)
+    lp, tok = depth_candidates(logits.unsqueeze(1), K)  # [R, 1, K]
+    scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
+    parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
+    pi_all, pr_all = pair_tensors(D, K, width, str(dev))
+    npairs = pair_layout(D, K, width)[2]
+    for d in range(1, D):
+        # every kept node of depth d - 1 is a parent with its own distribution
+        logits = (base_logits[:, d, :].float().unsqueeze(1)
+                  + markov_bias(markov_w1, markov_w2, tokens[-1]))  # [R, n, V]
+        lp, tok = depth_candidates(logits, K)  # [R, n, K]: per parent, ranked
+        pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
+        cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
+        top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()), dim=1).values
+        code = unpack_ties(top)
+        ppos, rank = code // K, code % K
+        parent_pos.append(ppos)
+        tokens.append(to_target(tok.flatten(1).gather(1, ppos * K + rank)))
+        scores.append(unpack_scores(top))
+    per_req = torch.full((R,), width, dtype=torch.int64, device=dev)
+    return assemble_tree(scores, parent_pos, tokens, per_req, out)
