@@ -500,6 +500,12 @@ def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> in
     where = f"speculative_config.model={model!r}"
     check_drafter_types(drafter, f"{where}: config.json")
     archs = drafter.get("architectures") or []
+    if any("DSpark" in str(a) for a in archs) or "markov_rank" in drafter:
+        raise DDTreeConfigError(
+            f"{where} is a DSpark drafter (architectures={archs!r}): method='ddtree' "
+            "does not draft with DSpark checkpoints yet. Serve it with method='dspark' "
+            "(vLLM's chain), or use a DFlash drafter for this target with 'ddtree'."
+        )
     if not any(
         str(a).startswith("DFlash") or a in _DFLASH_EXTRA_ARCHITECTURES for a in archs
     ):

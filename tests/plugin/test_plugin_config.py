@@ -428,6 +428,12 @@ def test_truncated_or_corrupt_drafter_weights(target_config: Any, tmp_path: Path
             {"architectures": ["Qwen3ForCausalLM"]}, (),
             r"is not a DFlash drafter: config.json has architectures=\['Qwen3ForCausalLM'\]",
         ),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 64}, (),
+            r"is a DSpark drafter \(architectures=\['Qwen3DSparkModel'\]\): "
+            "method='ddtree' does not draft with DSpark checkpoints yet",
+        ),
+        ({"markov_rank": 64}, (), "is a DSpark drafter"),
         ({}, ("dflash_config",), "has no 'dflash_config'"),
         ({}, ("block_size",), "block_size=None"),
         ({"block_size": 1}, (), "block_size=1"),
