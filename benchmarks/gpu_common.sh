@@ -1,4 +1,4 @@
-# Sourced by the GPU stage scripts (gpu_lease.sh, gpu_tp.sh): shared shell helpers.
+# Sourced by the staged GPU scripts (gpu_stages.sh, gpu_tp.sh): shared shell helpers.
 banner() { echo; echo "=== $* ($(date +%T))"; }
 # cleanup: stop vLLM servers and engines and wait (up to 30 s, then SIGKILL) until no
 # process holds GPU memory: an engine core still tearing down after `timeout` killed its
@@ -37,9 +37,9 @@ watchdog() {
   done
   wait "$pid"
 }
-# need_bundle: stop at once on a machine without the unpacked vLLM bundle (a fresh machine
-# after an idle release): a vLLM stage would otherwise spend minutes failing.
+# need_bundle: stop at once on a host without the unpacked vLLM bundle (one that was
+# reset): a vLLM stage would otherwise spend minutes failing.
 need_bundle() {
   [ -d /tmp/vllm-site ] && return 0
-  echo "no vLLM bundle on this machine (a fresh one?): carry the bundle parts again"; exit 3
+  echo "no vLLM bundle on this host (reset?): copy the bundle parts again"; exit 3
 }

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Tensor-parallel check in one lease: TP = N on nvidia-h200-x2 (N = 2) or
-# nvidia-h200-x8 (N = 8).  Device calls, back to back (machine kind in the `run` call):
+# Tensor-parallel check at TP = N (2 or 8) on a multi-GPU host without a package index,
+# in stages, one invocation each (vLLM as the split archive of gpu_stages.sh, copied to the
+# host next to the working tree):
 #
-#   1  carry .gpu/bundle.part-00 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
-#   2  carry .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
-#   3  carry .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
-#   4  carry .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
-#      (TPS=1 or TPS=N: only those rows; one TP's throughput took ~300 s on a fresh
-#      machine, so give each half its own call)
+#   1  with .gpu/bundle.part-00 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
+#   2  with .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
+#   3  with .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
+#   4  with .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
+#      (TPS=1 or TPS=N: only those rows; one TP's throughput took ~300 s on a freshly
+#      started host, so give each half its own invocation)
 #
 # check: `vllm serve --tensor-parallel-size N` with DDTree against the same server without
 #        speculation (token ids), then greedy identity against no speculation at TP = N on
@@ -16,9 +17,9 @@
 # speed: the random-model near-tie check on the Qwen3-shaped model (16 / 8 heads) at TP = N,
 #        then AR vs DFlash vs DDTree throughput on that pair at TP = 1 and TP = N, batch 1
 #        and 32 (random drafts: this measures step cost, not acceptance).
-# A cold machine needs ~2-2.5 min per vLLM server start with CUDA graphs: the
+# A vLLM server start with CUDA graphs takes ~2-2.5 min on a freshly started host: the
 # serve check (two servers) gets 330 s.
-# NVLink multicast stays off (KINDS.md).  Logs under $OUT, tables on stdout.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0).  Logs under $OUT, tables on stdout.
 set -u
 N=$1; STAGE=$2
 OUT=${OUT:-/tmp/out}; LOG=$OUT/tp$N-$STAGE; mkdir -p "$LOG"
@@ -29,8 +30,8 @@ export NCCL_NVLS_ENABLE=0
 [ "$N" -gt 4 ] && export VLLM_DDTREE_FIXTURE_HEADS=8
 source benchmarks/gpu_common.sh
 [ "$STAGE" = stash ] || need_bundle
-# install in every vLLM stage: after an idle release the bundle is carried again and the
-# next stage runs on a fresh machine
+# install in every vLLM stage: a host that was reset gets the bundle again, and the next
+# stage runs on a fresh one
 [ "$STAGE" = stash ] || install_plugin
 
 case $STAGE in
@@ -41,7 +42,7 @@ check)
   timeout 300 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 60 --tensor-parallel-size "$N" \
     > "$LOG/serve.log" 2>&1
   echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"; cleanup
-  banner "margin fixtures at TP = $N (digests: compare with TP = 1, stage x2 of gpu_lease.sh)"
+  banner "margin fixtures at TP = $N (digests: compare with TP = 1, stage x2 of gpu_stages.sh)"
   watchdog 280 "$LOG/margin.log" python3 -m benchmarks.gpu_correctness --out "$LOG/margin" \
     --tp "$N" --fixtures tree_beats_chain,accept_all --budgets 60 --graphs 1 --batches 1,32 \
     --ref-eager
@@ -61,7 +62,7 @@ from benchmarks.gpu_random_models import gen_shaped; gen_shaped(Path('/tmp/qwen3
   for tp in ${TPS:-1 $N}; do  # TPS=1 or TPS=$N: one half (the other GPU may be busy)
     banner "throughput, Qwen3-shaped random pair, TP = $tp"
     # --sequential: one TP engine at a time, as measured so far (several TP engines alive at
-    # once, the harness's default, have not been tried; a withheld kind's lease is rare)
+    # once, the harness's default, have not been tried)
     timeout ${TPUT_S:-330} python3 -m benchmarks.throughput --target $T --drafter $D --tp $tp \
       --budgets 32 --methods ar,dflash,ddtree --batches 1,32 --temps 0 --max-tokens 64 \
       --max-model-len 1024 --max-num-batched-tokens 2048 --sequential --out "$LOG/tp$tp" \

@@ -11,7 +11,7 @@ temperature:
   (resampling the ratios, seeded).  A second DFlash engine (``dflash-b``) gives the
   same numbers for two identical engines: the noise floor the others are read against.
 
-    python3 -m benchmarks.pooled docs/benchmarks/smollm-interleaved-h200-s9*.json
+    python3 -m benchmarks.pooled docs/benchmarks/smollm-interleaved-h200-*.json
 
 Pure Python; no vLLM.
 """

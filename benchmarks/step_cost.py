@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
                     help="default: qwen3-8b (tiny with --cpu)")
     ap.add_argument("--models", default=None,
-                    help="where the pair is written (default: /tmp/vllm-ddtree-<shape>)")
+                    help="where the pair is written (default: OUT/models-<shape>)")
     ap.add_argument("--methods", default="ar,dflash,ddtree-15,ddtree-31,ddtree-63,ddtree-auto")
     ap.add_argument("--auto-budget", type=int, default=63,
                     help="largest budget of ddtree-auto")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, drafter = write_pair(args.models or f"/tmp/vllm-ddtree-{shape}", shape,
+    target, drafter = write_pair(args.models or out / f"models-{shape}", shape,
                                  "accept_all", "cpu" if args.cpu else "cuda")
     prompts = write_prompts(out / "prompts.json")
     cmd = ["--target", str(target), "--drafter", str(drafter), "--out", str(out),

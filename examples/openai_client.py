@@ -1,20 +1,18 @@
-"""Talk to a vLLM OpenAI-compatible server that runs DDTree.
+r"""Talk to a vLLM OpenAI-compatible server that runs DDTree.
 
-Start a server first, for example with the bundled tiny pair
-(``python -m vllm_ddtree.testing.fixtures /tmp/ddtree-fixtures`` prints the paths)::
+Start a server first, e.g. the README's CPU command (the demo's SmolLM2 pair)::
 
-    P=/tmp/ddtree-fixtures/random-float32
-    python -m vllm.entrypoints.openai.api_server --model $P/target \\
-        --dtype float32 --enforce-eager --max-model-len 512 --port 8000 \\
-        --speculative-config '{"method": "ddtree", "model": "'$P/drafter'",
-                               "num_speculative_tokens": 15}'
+    T=$(python -m vllm_ddtree.demo.smollm); D=$(python -m vllm_ddtree.demo.smollm --drafter)
+    vllm-ddtree vllm serve "$T" --dtype float32 --enforce-eager --max-model-len 2048 \
+        --kv-cache-memory-bytes 1G --speculative-config \
+        "{\"method\": \"ddtree\", \"model\": \"$D\", \"num_speculative_tokens\": 15}"
 
-(on CPU also ``VLLM_CPU_KVCACHE_SPACE=1 ... --gpu-memory-utilization 0.2``; with a
-GPU build, ``vllm serve MODEL --speculative-config ...`` works too), then::
+(on a GPU: ``vllm serve MODEL --speculative-config ...``), then::
 
     python examples/openai_client.py --base-url http://127.0.0.1:8000/v1
 
-Speculative decoding changes no API: requests look exactly as without it.
+Speculative decoding changes no API: requests look exactly as without it.  The script
+ends with the server's speculative-decoding counters and tau (acceptance length).
 """
 
 from __future__ import annotations
@@ -54,9 +52,13 @@ def main() -> None:
     root = args.base_url.rstrip("/").removesuffix("/v1")
     with urllib.request.urlopen(root + "/metrics", timeout=10) as r:
         text = r.read().decode()
+    counts = {}
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
         m = re.search(rf"^vllm:spec_decode_num_{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
+        counts[name] = float(m.group(1)) if m else None
         print(f"{name}: {m.group(1) if m else 'n/a (no speculation on this server?)'}")
+    if counts["drafts"]:  # drafts: verify steps summed over requests
+        print(f"tau (acceptance length): {1 + counts['accepted_tokens'] / counts['drafts']:.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Usage::
 
     vllm serve TARGET --speculative-config \\
-        '{"method": "ddtree", "model": "DFLASH_DRAFTER", "num_speculative_tokens": 16}'
+        '{"method": "ddtree", "model": "DFLASH_DRAFTER", "num_speculative_tokens": 15}'
 
 vLLM calls :func:`register` (entry point ``vllm.general_plugins: ddtree``) in
 every process it starts. Importing this package imports neither torch nor vLLM.

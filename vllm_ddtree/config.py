@@ -179,20 +179,20 @@ def check_num_speculative_tokens(value: Any) -> int:
         raise DDTreeConfigError(
             "speculative_config.num_speculative_tokens is missing: method='ddtree' "
             "needs the tree budget B (number of tree nodes verified per step). "
-            'Add e.g. "num_speculative_tokens": 16 to --speculative-config.'
+            'Add e.g. "num_speculative_tokens": 15 to --speculative-config.'
         )
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DDTreeConfigError(
             f"speculative_config.num_speculative_tokens={value!r} is invalid for "
             "method='ddtree': the tree budget B must be an integer >= 1. "
-            'Set e.g. "num_speculative_tokens": 16.'
+            'Set e.g. "num_speculative_tokens": 15.'
         )
     if value > MAX_BUDGET:
         raise DDTreeConfigError(
             f"speculative_config.num_speculative_tokens={value} exceeds the largest tree "
             f"budget method='ddtree' supports, {MAX_BUDGET} (one request verifies 1 + B "
             "rows, which the GPU verify-row kernel holds in one Triton program). Set "
-            f"num_speculative_tokens <= {MAX_BUDGET}; budgets of 16 to 256 are the "
+            f"num_speculative_tokens <= {MAX_BUDGET}; budgets of 15 to 255 are the "
             "measured range."
         )
     return value

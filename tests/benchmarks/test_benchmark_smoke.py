@@ -56,8 +56,8 @@ def test_throughput_harness_cpu_smoke(tmp_path):
 
 
 def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
-    """--sequential (one engine at a time, as the profile and TP lease stages run it) and
-    the A/A engine (dflash2) and the same engine with its core in-process
+    """--sequential (one engine at a time, as the profile and TP stages of gpu_stages.sh
+    and gpu_tp.sh run it) and the A/A engine (dflash2) and the same engine with its core in-process
     (dflash@inproc): same configuration, so the same tokens and the same tau; no paired
     ratio for runs that were not interleaved."""
     proc = run_harness(tmp_path, "--methods", "dflash,dflash2,dflash@inproc", "--batches",

@@ -1,5 +1,5 @@
 """Tensor parallelism, simulated on CPU: every rank must build the same tree and walk the
-same path (issues 8 and 10).
+same path.
 
 Under TP each rank holds a vocabulary shard of the drafter's and the target's logits;
 vLLM all-gathers them before sampling, and every rank then runs the tree build, the walk

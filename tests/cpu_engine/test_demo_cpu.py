@@ -4,7 +4,7 @@ Runs ``python -m vllm_ddtree.demo`` as a user would (CPU, fp32, offline; the con
 SmolLM2 folder is cached by ``ensure_smollm``), shorter than the default.  Checks what the
 demo promises: greedy output identical to no speculation for the chain and for DDTree,
 and that the shipped drafter is a working one (the full demo, 64 tokens: DFlash
-chain 1.91, DDTree-31 2.74 tokens per step; a drafter the target disagrees with gives ~1.0).
+chain 1.91, DDTree-15 2.51 tokens per step; a drafter the target disagrees with gives ~1.0).
 """
 
 from __future__ import annotations

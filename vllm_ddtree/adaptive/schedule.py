@@ -11,7 +11,7 @@ set of budgets (``D``, ``2**k - 1`` and the largest ``16 m - 1`` up to the confi
 maximum: whole 16-row tree-attention blocks, see ``candidates``), using
 
 * ``step_cost``: one H200, Qwen3-8B-shaped target, verify of ``n`` tokens per request at
-  batch ``b``, relative to ``n = 1`` (``../shared/docs/verify-cost.md``), plus a drafter
+  batch ``b``, relative to ``n = 1`` (measured with vLLM 0.26: ``VERIFY_COST``), plus a drafter
   pass of ``DRAFTER_COST`` plain steps, the same for every budget; interpolated
   log-linearly in ``b`` and ``n``;
 * ``tau``: DDTree's acceptance length against budget from the paper (Qwen3-8B,
@@ -76,7 +76,8 @@ def candidates(max_budget: int, depth: int) -> list[int]:
     whole 16-row blocks of the Triton tree attention: one node more opens a block for one
     row (measured on an H200 at 8B shape, 36 layers in a CUDA graph: R = 32, B = 31
     0.90 ms against B = 32 1.85 ms; R = 8, B = 63 0.67 ms against B = 64 1.15 ms;
-    docs/benchmarks/performance.md).  A maximum with no such budget above ``D`` is kept."""
+    docs/benchmarks.md, "Tree build and tree attention").  A maximum with no such budget
+    above ``D`` is kept."""
     out = {min(depth, max_budget)}
     b = 15
     while b <= max_budget:

@@ -11,10 +11,10 @@ Two variants (``pruned``):
 * one pass: each program also writes its chunk's max and sum of exponentials
   (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
   151936-token vocabulary this was the DDTree step's largest own kernel on the H200
-  (0.78 ms per step for 480 rows, k = 15; docs/benchmarks/performance.md section 6.1):
+  (0.78 ms per step for 480 rows, k = 15, in a profile of the whole step):
   compute-bound on the ``k`` reductions.
 * pruned (the default: it halves the tree build at 32 requests x budget 15 on the H200,
-  1.36 -> 0.72 ms, docs/benchmarks/performance.md section 7.1): a first kernel writes the
+  1.36 -> 0.72 ms, docs/benchmarks.md "Tree build and tree attention"): a first kernel writes the
   chunk maxima and sums; ``t`` = the ``k``-th largest chunk maximum of the row is a lower
   bound on the row's ``k``-th largest value (the top ``k`` chunk maxima are ``k``
   distinct entries >= ``t``), so only entries >= ``t`` can be in the top ``k``.  The
@@ -32,7 +32,7 @@ from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
 # Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
 # its k reductions per chunk are faster than torch.topk only up to k = 16 on the H200
-# (k = 32 made the build 1.35 -> 2.2 ms at 32 requests; docs/benchmarks/performance.md).
+# (k = 32 made the build 1.35 -> 2.2 ms at 32 requests on the H200).
 ONE_PASS_MAX_K = 16
 PRUNED_MAX_K = 64
 

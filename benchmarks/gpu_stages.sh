@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# One 30-minute GPU lease (device tool, nvidia-h200), as back-to-back calls.  Each call
-# carries what its stage needs (below) plus .gpu/unpack.sh, and runs
-#   bash benchmarks/gpu_lease.sh STAGE
-# Full logs go to $OUT/<stage>/, tables to stdout.  The machine goes back 30 s after a
-# call returns: issue the next call at once.
+# GPU measurements on a host without a package index (one NVIDIA GPU), in stages:
+#   bash benchmarks/gpu_stages.sh STAGE
+# One invocation per stage; each stage needs some files copied to the host next to the
+# working tree (below).  vLLM comes as a split archive, .gpu/bundle.part-00..02 (built
+# elsewhere; split so that each upload stays small), which .gpu/unpack.sh collects and
+# unpacks once all parts are there; the SmolLM2 GGUF comes as .smol/gguf.part-a*, the
+# gguf wheel as .whl/.  Stages that need vLLM stop at once when it is not unpacked (a
+# host that was reset: copy the parts again).  Full logs go to $OUT/<stage>/, tables to
+# stdout.  On a host with vLLM installed, run the Python commands of docs/benchmarks.md
+# directly instead.
 #
-#   (every call also carries .gpu/unpack.sh; a call may carry ~42 MB besides the working
-#   tree, whose shipped drafter is ~23 MB: hence parts of at most 40 MB)
-#   a   carry .smol/gguf.part-aa                      stash (versions, GPU name); step parts
+#   a   with .smol/gguf.part-aa                   stash (versions, GPU name); step parts
 #       at 8B shape with the one-pass and the pruned top-k (gpu_step_parts.py --topk-prune 0,1)
-#   b   carry .smol/gguf.part-ab                      stash
-#   c   carry .smol/gguf.part-ac .whl .gpu/bundle.part-02   convert the SmolLM2 target to
+#   b   with .smol/gguf.part-ab                   stash
+#   c   with .smol/gguf.part-ac .whl .gpu/bundle.part-02   convert the SmolLM2 target to
 #       /root/smol/hf (TRAIN_NEW=1: also train a new drafter in the background, ~10 min,
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
-#   c2  carry .gpu/bundle.part-00                      stash
-#   d1  carry .gpu/bundle.part-01                      unpack vLLM, install the plugin;
+#   c2  with .gpu/bundle.part-00                   stash
+#   d1  with .gpu/bundle.part-01                   unpack vLLM, install the plugin;
 #       the step profile p1 (below): DFlash vs DDTree-15 at equal width
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64;
 #       PAIR_METHODS (default ar,dflash,ddtree; also dflash2, ddtree-N, ddtree-auto,
 #       ddtree-online: engines are alive together, each pinned to its own CPUs, and the
-#       cells interleaved, so keep 3-4 per call);
+#       cells interleaved, so keep 3-4 per stage);
 #       SKIP_PARTS=1 skips the step parts, INSTALL=1 installs the plugin first (the last
 #       bundle part came with it), BUDGETS (default 15,31,63), REPEATS (timed runs per
 #       cell, default 1; each adds ~15-40 s per engine), PAIR_TOKENS (output tokens per
@@ -28,23 +31,21 @@
 #   serve  (nothing)  `vllm serve` vs no speculation, T>0 distribution test
 #   d2  (nothing)   the Qwen3-shaped random model, DDTree rows
 #
-# On nvidia-h200-x2 (the tree is ~25 MB, so a 40 MB bundle part fills a call): calls
-# `gpu_tp.sh 2 stash` with .gpu/bundle.part-00, then -01, then
-#   x2  carry .gpu/bundle.part-02   unpack, install; two queues at once, one per GPU:
+# On a host with two GPUs: `gpu_tp.sh 2 stash` with .gpu/bundle.part-00, then -01, then
+#   x2  with .gpu/bundle.part-02   unpack, install; two queues at once, one per GPU:
 #       GPU 0: `vllm serve` check, margin fixtures at TP = 1 (digests; REL=1: also the
 #       reliability tests); GPU 1: T>0 distribution test
-# then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed` (carry .gpu/unpack.sh).
-#   p3 (after the bundle; INSTALL=1 on the call that carries its last part): DFlash,
+# then `gpu_tp.sh 2 check` and `gpu_tp.sh 2 speed`.
+#   p3 (after the bundle; INSTALL=1 on the stage that brings its last part): DFlash,
 #       A/A and DDTree-15 step cost on the Qwen3-shaped random pair, interleaved and not
 #       profiled (PAIR_METHODS: add @inproc to a method for an in-process engine core;
 #       HOST_TIMING=1, here and in e1, with every method @inproc: host ms per step by
 #       runner method, benchmarks/hosttime.py)
-#   p1, p2 (nvidia-h200, after the bundle): step profile of DFlash vs DDTree-15/31/32
-#       (Qwen3-shaped random pair); both write gzipped Chrome traces with Python stacks
-#       to $OUT (read them with benchmarks/trace_summary.py).
-# Timing: a cold machine takes ~2-2.5 min per vLLM engine start with CUDA
-# graphs (imports ~1 min, compile ~40 s), so two servers need > 300 s; and the machine
-# goes back 30 s after a call: issue the next call at once, read results later.
+#   p1, p2 (after the bundle): step profile of DFlash vs DDTree-15/31/32 (Qwen3-shaped
+#       random pair); both write gzipped Chrome traces with Python stacks to $OUT (read
+#       them with benchmarks/trace_summary.py).
+# Timing: on a freshly started host a vLLM engine start with CUDA graphs takes ~2-2.5 min
+# (imports ~1 min, compile ~40 s), so two servers need > 300 s.
 set -u
 STAGE=$1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
