@@ -318,6 +318,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             f"{_SPEC}.max_num_new_slots_for_drafting",
             "vllm.config.parallel:ParallelConfig.distributed_executor_backend",
             "vllm.config.parallel:ParallelConfig.data_parallel_rank",
+            "vllm.config.parallel:ParallelConfig.data_parallel_index",
             "vllm.distributed:get_tensor_model_parallel_rank",
             "vllm.logger:init_logger",
         ),

@@ -11,6 +11,8 @@ import functools
 from vllm_ddtree._patch.helper import PatchSet
 
 MODULE = "vllm.v1.core.sched.scheduler"
+# the start of the warning of an online config whose schedule vLLM dropped (DP > 1)
+ONLINE_UNDER_DP = "ddtree_adaptive_budget='online' under data parallelism"
 
 
 def check_verify_fits(scheduler) -> None:
@@ -34,25 +36,40 @@ def check_verify_fits(scheduler) -> None:
 def attach(scheduler) -> None:
     """Give an online-DDTree scheduler its tuner; inert for every other config.  Without
     a channel (the name is taken, ``/dev/shm`` is not writable) the scheduler keeps
-    the static schedule, with a warning."""
+    the static schedule, with a warning; without a schedule (vLLM drops it under data
+    parallelism) it keeps the static budget, with a warning."""
     from vllm_ddtree.config import CHANNEL_FIELD, ddtree_params, is_online
 
     spec = scheduler.vllm_config.speculative_config
+    if not is_online(spec):
+        return
+    from vllm_ddtree.adaptive.publisher import replica_index
+    from vllm_ddtree.logger import init_logger
+
+    replica = replica_index(scheduler.vllm_config.parallel_config)
     lookup = getattr(scheduler, "dynamic_sd_lookup", None)
-    if lookup is None or not is_online(spec):  # (vLLM drops the schedule under DP > 1)
+    if lookup is None:
+        # The plugin always gives an online config its schedule; vLLM drops every
+        # per-batch-size schedule under data parallelism (replicas that picked different
+        # draft counts could diverge in collective steps), and a dense model's replica
+        # then runs as an independent engine whose config says data_parallel_size=1.
+        # Nothing to re-tune: the replica runs the largest budget, and its workers see
+        # the same config and publish nothing (make_publisher).
+        init_logger(__name__).warning(
+            "vllm-ddtree: %s (replica %d): vLLM dropped the per-batch-size schedule, so "
+            "the budget stays static at num_speculative_tokens=%d and is not re-tuned.",
+            ONLINE_UNDER_DP, replica, spec.num_speculative_tokens)
         return
     from vllm_ddtree.adaptive.channel import StatsChannel, channel_dir_name
     from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
-    from vllm_ddtree.logger import init_logger
 
     budget, depth = ddtree_params(spec)
     policy = OnlineSchedule(budget, depth, len(lookup) - 1)
     name = getattr(spec, CHANNEL_FIELD, None)
-    rank = scheduler.vllm_config.parallel_config.data_parallel_rank
     channel, reason = None, f"speculative_config.{CHANNEL_FIELD} is not set"
     if name is not None:
         try:
-            channel = StatsChannel.create(channel_dir_name(name, rank), len(policy.budgets))
+            channel = StatsChannel.create(channel_dir_name(name, replica), len(policy.budgets))
         except OSError as e:  # FileExistsError: something already has that name
             reason = str(e)
     if channel is None:

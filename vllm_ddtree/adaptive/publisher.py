@@ -91,6 +91,15 @@ class ExpectationPublisher:
             self.channel = None
 
 
+def replica_index(parallel_config: Any) -> int:
+    """The data-parallel replica an engine core (and its workers) serves, for its channel
+    name.  vLLM 0.32 runs each replica of a dense model as an independent engine: its
+    config then says ``data_parallel_rank=0`` on every replica and keeps the replica in
+    ``data_parallel_index`` (older vLLMs: only ``data_parallel_rank``)."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return parallel_config.data_parallel_rank if index is None else index
+
+
 def make_publisher(vllm_config: Any, device: torch.device | str,
                    max_reqs: int) -> ExpectationPublisher | None:
     """The worker's :class:`~vllm_ddtree.adaptive.publisher.ExpectationPublisher` for
@@ -99,12 +108,13 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
     (``uni``), the parent with its multiprocess one (``mp``); other executors (Ray) get
     the static schedule, with a warning.  The channel is the one named by the config's
     ``ddtree_online_channel`` for this data-parallel replica, and it must have been
-    created by that scheduler process (:meth:`StatsChannel.attach`)."""
+    created by that scheduler process (:meth:`StatsChannel.attach`).  None as well where
+    vLLM dropped the per-batch-size schedule (data parallelism; the scheduler says so)."""
     from vllm_ddtree.config import CHANNEL_FIELD, ddtree_params, is_online
 
     spec = vllm_config.speculative_config
-    if not is_online(spec):
-        return None
+    if not is_online(spec) or not spec.num_speculative_tokens_per_batch_size:
+        return None  # (no schedule to tune: vLLM drops it under data parallelism)
     import os
 
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -121,6 +131,6 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
         _warn("vllm-ddtree: ddtree_adaptive_budget='online' needs vLLM's 'uni' or 'mp' "
               "executor (got %r): the budget schedule stays static.", backend)
     elif name is not None:  # (without one the scheduler has no channel either, and says so)
-        address = ChannelAddress(channel_dir_name(name, parallel.data_parallel_rank), pid)
+        address = ChannelAddress(channel_dir_name(name, replica_index(parallel)), pid)
     budget, depth = ddtree_params(spec)
     return ExpectationPublisher(budget, depth, max_reqs, device, address)

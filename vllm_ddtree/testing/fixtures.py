@@ -1,10 +1,11 @@
 """Tiny, deterministic Qwen3 target + DFlash drafter checkpoints for tests.
 
-``make_tiny_pair(root, variant, dtype)`` writes (no downloads, fixed seeds) a pair in the
-published formats (docs: dflash-format.md sections 2 and 5) and returns
+``make_tiny_pair(root, variant, dtype, heads)`` writes (no downloads, fixed seeds) a pair
+in the published formats (docs: dflash-format.md sections 2 and 5) and returns
 ``(target_dir, drafter_dir)``:
 
-* target: ``Qwen3ForCausalLM``, 6 layers, hidden 128, 4 heads / 2 KV heads, head_dim 64,
+* target: ``Qwen3ForCausalLM``, 6 layers, hidden 128, 4 query heads (``heads``: any
+  multiple of 2, e.g. 8 for tensor parallelism up to 8) / 2 KV heads, head_dim 64,
   intermediate 256, untied, vocab 512 padded past a 259-token byte-level BPE tokenizer
   (id = byte value for 0..255, then ``<|endoftext|>`` 256, ``<|im_start|>`` 257,
   ``<|im_end|>`` 258) with a ChatML template.
@@ -34,7 +35,8 @@ Variants:
 
 ``A`` = ``TOKEN_A`` = 97 (byte "a"), ``B`` = ``TOKEN_B`` = 98 (byte "b").
 
-CLI: ``python -m vllm_ddtree.testing.fixtures OUT_DIR [--dtype float32]`` prints the paths.
+CLI: ``python -m vllm_ddtree.testing.fixtures OUT_DIR [--dtype float32] [--heads 8]`` prints
+the paths.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257
 MASK_TOKEN_ID = 259
 BOS_ID, EOS_ID = 256, 258
 VOCAB, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 512, 128, 256, 4, 2, 64
-# Tensor parallelism needs query heads divisible by the TP size: VLLM_DDTREE_FIXTURE_HEADS=8
-# writes 8-head pairs (same KV heads; vLLM replicates them) into their own folders.
+# Tensor parallelism needs query heads divisible by the TP size: ``heads=8`` (or, as the
+# default of every call, VLLM_DDTREE_FIXTURE_HEADS=8) writes 8-head pairs (same KV heads;
+# vLLM replicates them) into their own folders.
 HEADS = int(os.environ.get("VLLM_DDTREE_FIXTURE_HEADS", HEADS))
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK_SIZE = 6, 2, 16
 TARGET_LAYER_IDS = [1, 2, 4]
@@ -76,7 +79,7 @@ CHAT_TEMPLATE = (
 
 
 # ---------------------------------------------------------------- configs ------------
-def _common_config(num_layers: int, dtype: str) -> dict:
+def _common_config(num_layers: int, dtype: str, heads: int) -> dict:
     return {
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -91,7 +94,7 @@ def _common_config(num_layers: int, dtype: str) -> dict:
         "max_position_embeddings": MAX_POS,
         "max_window_layers": num_layers,
         "model_type": "qwen3",
-        "num_attention_heads": HEADS,
+        "num_attention_heads": heads,
         "num_hidden_layers": num_layers,
         "num_key_value_heads": KV_HEADS,
         "rms_norm_eps": RMS_EPS,
@@ -107,15 +110,15 @@ def _common_config(num_layers: int, dtype: str) -> dict:
     }
 
 
-def target_config(dtype: str = "float32") -> dict:
-    cfg = _common_config(TARGET_LAYERS, dtype)
+def target_config(dtype: str = "float32", heads: int | None = None) -> dict:
+    cfg = _common_config(TARGET_LAYERS, dtype, HEADS if heads is None else heads)
     cfg.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
                pad_token_id=BOS_ID, tokenizer_class="PreTrainedTokenizerFast")
     return cfg
 
 
-def drafter_config(dtype: str = "float32") -> dict:
-    cfg = _common_config(DRAFT_LAYERS, dtype)
+def drafter_config(dtype: str = "float32", heads: int | None = None) -> dict:
+    cfg = _common_config(DRAFT_LAYERS, dtype, HEADS if heads is None else heads)
     cfg.update(architectures=["DFlashDraftModel"],
                auto_map={"AutoModel": "dflash.DFlashDraftModel"},
                block_size=BLOCK_SIZE, num_target_layers=TARGET_LAYERS,
@@ -126,8 +129,8 @@ def drafter_config(dtype: str = "float32") -> dict:
 
 
 # ---------------------------------------------------------------- weights ------------
-def _layer_shapes(prefix: str) -> dict[str, tuple[int, ...]]:
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+def _layer_shapes(prefix: str, heads: int) -> dict[str, tuple[int, ...]]:
+    q, kv = heads * HEAD_DIM, KV_HEADS * HEAD_DIM
     return {
         f"{prefix}self_attn.q_proj.weight": (q, HIDDEN),
         f"{prefix}self_attn.k_proj.weight": (kv, HIDDEN),
@@ -143,18 +146,18 @@ def _layer_shapes(prefix: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _target_shapes() -> dict[str, tuple[int, ...]]:
+def _target_shapes(heads: int) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     for i in range(TARGET_LAYERS):
-        shapes.update(_layer_shapes(f"model.layers.{i}."))
+        shapes.update(_layer_shapes(f"model.layers.{i}.", heads))
     shapes.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
     return shapes
 
 
-def _drafter_shapes() -> dict[str, tuple[int, ...]]:
+def _drafter_shapes(heads: int) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(DRAFT_LAYERS):
-        shapes.update(_layer_shapes(f"layers.{i}."))
+        shapes.update(_layer_shapes(f"layers.{i}.", heads))
     shapes.update({"fc.weight": (HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN),
                    "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,)})
     return shapes
@@ -203,12 +206,15 @@ def _constant_edit(tw: dict, dw: dict, drafter_b_weight: float) -> None:
     dw["norm.weight"] = dnorm
 
 
-def make_weights(variant: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """float32 (target, drafter) state dicts of ``variant``."""
+def make_weights(variant: str, heads: int | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """float32 (target, drafter) state dicts of ``variant`` with ``heads`` query heads
+    (default :data:`HEADS`)."""
     if variant not in VARIANTS:
         raise ValueError(f"Unknown fixture variant {variant!r}; valid: {', '.join(VARIANTS)}")
-    tw = _random_weights(_target_shapes(), "target")
-    dw = _random_weights(_drafter_shapes(), "drafter")
+    heads = HEADS if heads is None else heads
+    tw = _random_weights(_target_shapes(heads), "target")
+    dw = _random_weights(_drafter_shapes(heads), "drafter")
     if variant == "accept_all":
         _constant_edit(tw, dw, drafter_b_weight=0.0)
     elif variant == "tree_beats_chain":
@@ -283,9 +289,12 @@ def _save(weights: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> N
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
-def make_tiny_pair(root: str | Path, variant: str = "random",
-                   dtype: str = "float32") -> tuple[Path, Path]:
-    """Write (once) and return ``(target_dir, drafter_dir)`` under ``root/<variant>-<dtype>``.
+def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "float32",
+                   heads: int | None = None) -> tuple[Path, Path]:
+    """Write (once) and return ``(target_dir, drafter_dir)`` under ``root/<variant>-<dtype>``
+    (``...-h<heads>`` for a head count other than 4).  ``heads``: query heads of both
+    models (default :data:`HEADS`: 4, or VLLM_DDTREE_FIXTURE_HEADS); tensor parallelism
+    needs it divisible by the TP size.
 
     A finished pair holds a ``.complete`` marker naming ``FIXTURE_VERSION``; a pair with
     a matching marker is reused as is, anything else there is rewritten.
@@ -294,8 +303,13 @@ def make_tiny_pair(root: str | Path, variant: str = "random",
         raise ValueError(f"Unknown fixture variant {variant!r}; valid: {', '.join(VARIANTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"Unknown fixture dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    heads = HEADS if heads is None else heads
+    if heads < 1 or heads % KV_HEADS:
+        # grouped-query attention: every KV head serves the same number of query heads
+        raise ValueError(f"heads={heads}: a fixture needs a positive multiple of its "
+                         f"{KV_HEADS} KV heads")
     root = Path(root)
-    final = root / (f"{variant}-{dtype}" + (f"-h{HEADS}" if HEADS != 4 else ""))
+    final = root / (f"{variant}-{dtype}" + (f"-h{heads}" if heads != 4 else ""))
     marker = final / ".complete"
     pair = (final / "target", final / "drafter")
     if marker.is_file() and marker.read_text() == FIXTURE_VERSION:
@@ -303,15 +317,15 @@ def make_tiny_pair(root: str | Path, variant: str = "random",
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-{dtype}.", dir=root))
     try:
-        tw, dw = make_weights(variant)
+        tw, dw = make_weights(variant, heads)
         t_dir, d_dir = tmp / "target", tmp / "drafter"
         t_dir.mkdir()
         d_dir.mkdir()
         _save(tw, t_dir / "model.safetensors", DTYPES[dtype])
-        _write_json(t_dir / "config.json", target_config(dtype))
+        _write_json(t_dir / "config.json", target_config(dtype, heads))
         write_tokenizer(t_dir)
         _save(dw, d_dir / "model.safetensors", DTYPES[dtype])
-        _write_json(d_dir / "config.json", drafter_config(dtype))
+        _write_json(d_dir / "config.json", drafter_config(dtype, heads))
         (tmp / ".complete").write_text(FIXTURE_VERSION)
         for p in [tmp, t_dir, d_dir]:
             os.chmod(p, 0o755)  # mkdtemp makes 0700, safetensors 0600 files
@@ -337,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Write the tiny Qwen3 + DFlash test pairs.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"query heads (default {HEADS}; a multiple of {KV_HEADS})")
     args = p.parse_args(argv)
     for variant in VARIANTS:
-        target, drafter = make_tiny_pair(args.out_dir, variant, args.dtype)
+        target, drafter = make_tiny_pair(args.out_dir, variant, args.dtype, args.heads)
         print(f"{variant}: target={target} drafter={drafter}")
     return 0
 
