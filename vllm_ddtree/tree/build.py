@@ -71,6 +71,20 @@ class DraftTree:
     def width(self) -> int:
         return self.token_ids.shape[1]
 
+    @classmethod
+    def empty(cls, num_reqs: int, width: int, max_depth: int,
+              device: torch.device) -> DraftTree:
+        """``num_reqs`` trees of ``width`` unused slots."""
+        return cls(
+            token_ids=torch.full((num_reqs, width), -1, dtype=torch.int64, device=device),
+            parents=torch.full((num_reqs, width), -1, dtype=torch.int64, device=device),
+            depths=torch.zeros((num_reqs, width), dtype=torch.int64, device=device),
+            num_nodes=torch.zeros((num_reqs,), dtype=torch.int64, device=device),
+            scores=torch.full((num_reqs, width), float("-inf"), dtype=torch.float32,
+                              device=device),
+            max_depth=max_depth,
+        )
+
     def prefix(self, n: int) -> DraftTree:
         """The first ``n`` nodes of every tree: best-first, so the best ``n``-node trees
         (a node's parent always comes before it).  Views, no copy."""
@@ -228,14 +242,7 @@ def build_tree(
     if width < 0:
         raise ValueError(f"build_tree: budget must be >= 0, got {width}")
 
-    empty = DraftTree(
-        token_ids=torch.full((R, width), -1, dtype=torch.int64, device=dev),
-        parents=torch.full((R, width), -1, dtype=torch.int64, device=dev),
-        depths=torch.zeros((R, width), dtype=torch.int64, device=dev),
-        num_nodes=torch.zeros((R,), dtype=torch.int64, device=dev),
-        scores=torch.full((R, width), float("-inf"), dtype=torch.float32, device=dev),
-        max_depth=D,
-    )
+    empty = DraftTree.empty(R, width, D, dev)
     if width == 0 or R == 0 or D == 0 or V == 0:
         return empty
 

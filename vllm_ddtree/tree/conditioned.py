@@ -65,14 +65,7 @@ def build_conditioned_tree(
     width, dev = int(budget), base_logits.device
     if width < 0:
         raise ValueError(f"build_conditioned_tree: budget must be >= 0, got {width}")
-    out = DraftTree(
-        token_ids=torch.full((R, width), -1, dtype=torch.int64, device=dev),
-        parents=torch.full((R, width), -1, dtype=torch.int64, device=dev),
-        depths=torch.zeros((R, width), dtype=torch.int64, device=dev),
-        num_nodes=torch.zeros((R,), dtype=torch.int64, device=dev),
-        scores=torch.full((R, width), float("-inf"), dtype=torch.float32, device=dev),
-        max_depth=D,
-    )
+    out = DraftTree.empty(R, width, D, dev)
     if width == 0 or R == 0 or D == 0 or V == 0:
         return out
 
