@@ -23,6 +23,11 @@ DFlash's tokens per step within 2% (else its ratio is not pure step cost).  Prin
 table last; writes ``results.json`` (throughput's rows) and ``step_cost.json``.  vLLM logs
 every kernel compiled after its warm-up ("JIT compilation during inference"): grep the
 log for the kernels behind a stall.
+
+``--profile``: each cell also runs once under torch.profiler (throughput's ``--profile``;
+the engine core then runs in the engine's process) and a second table says where each
+method's GPU time per step differs from DFlash's: GPU-busy ms per step, then the kernels
+with the largest difference (ms and launches per step against DFlash's).
 """
 
 from __future__ import annotations
@@ -86,6 +91,36 @@ def print_table(rows: list[dict]) -> None:
               f"{r['req_per_engine_step']:>6.1f} {'yes' if r['equal_acceptance'] else 'NO':>9}")
 
 
+def kernel_diffs(rows: list[dict], top: int = 8) -> list[dict]:
+    """Per profiled method and cell: GPU-busy ms per step against DFlash's, and the
+    ``top`` kernels whose ms per step differ most from DFlash's (by name)."""
+    by = {(r["method"], r["temperature"], r["batch"]): r for r in rows if "kernels" in r}
+    out = []
+    for (method, temp, n), r in by.items():
+        ref = by.get(("dflash", temp, n))
+        if method in ("ar", "dflash") or ref is None:
+            continue
+        mine = {k: (ms, c) for k, ms, c in r["kernels"]}
+        base = {k: (ms, c) for k, ms, c in ref["kernels"]}
+        diff = [(k, mine.get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
+                 mine.get(k, (0, 0))[1] - base.get(k, (0, 0))[1]) for k in {*mine, *base}]
+        diff.sort(key=lambda d: abs(d[1]), reverse=True)
+        out.append(dict(method=method, temperature=temp, batch=n,
+                        gpu_busy_ms=r["gpu_busy_ms"], dflash_gpu_busy_ms=ref["gpu_busy_ms"],
+                        kernels=[(k, round(ms, 4), round(c, 2)) for k, ms, c in diff[:top]]))
+    return out
+
+
+def print_kernel_diffs(diffs: list[dict]) -> None:
+    print("\nGPU time per step against DFlash (profiled): method, T, batch, busy ms "
+          "(DFlash's), then kernel: +ms per step, +launches per step")
+    for d in diffs:
+        print(f"{d['method']:<14} {d['temperature']:>3g} {d['batch']:>5} "
+              f"{d['gpu_busy_ms']:.3f} ({d['dflash_gpu_busy_ms']:.3f})")
+        for k, ms, c in d["kernels"]:
+            print(f"{'':>6}{ms:+8.4f} {c:+6.1f}  {k[:110]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import throughput
     from benchmarks.shaped_models import SHAPES, write_pair
@@ -105,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--base-src", default=None,
+                    help="another copy of the package, run by methods ending in @base "
+                         "(e.g. ddtree-15@base: the same cell before a change)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each cell once and compare kernels with DFlash's")
     ap.add_argument("--cpu", action="store_true", help="smoke settings: tiny shape on CPU")
     args = ap.parse_args(argv)
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
@@ -120,14 +160,20 @@ def main(argv: list[str] | None = None) -> int:
            "--max-model-len", "1024"]
     cmd += ["--cpu"] if args.cpu else ["--gpu-mem", str(args.gpu_mem)]
     cmd += ["--eager"] if args.eager else []
+    cmd += ["--profile"] if args.profile else []
+    cmd += ["--base-src", args.base_src] if args.base_src else []
     cmd += ["--jit-verbose"]  # every compilation mid-serving is logged: a first-use stall
     rc = throughput.main(cmd)
     if rc:
         return rc
     res = json.loads((out / "results.json").read_text())
     rows = step_rows(res["rows"])
+    diffs = kernel_diffs(res["rows"])
     (out / "step_cost.json").write_text(json.dumps(
-        {"meta": dict(res["meta"], shape=shape), "rows": rows}, indent=1))
+        {"meta": dict(res["meta"], shape=shape), "rows": rows, "kernel_diffs": diffs},
+        indent=1))
+    if diffs:
+        print_kernel_diffs(diffs)
     print_table(rows)
     return 0
 

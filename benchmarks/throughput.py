@@ -35,11 +35,15 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks.pooled import INPROC, reference
+
+# method suffix: the engine runs the package copy in --base-src
+BASE = "@base"
 
 DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
@@ -182,6 +186,10 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     import traceback
 
     try:
+        if name.endswith(BASE):  # the copy in --base-src before the installed package
+            sys.path.insert(0, str(args.base_src))
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [str(args.base_src)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         if cpus:  # this process and every process it starts (the engine core) stay there
             os.sched_setaffinity(0, cpus)
         if args.profile or name.endswith(INPROC):  # the profiler sees only this process
@@ -191,6 +199,12 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
         from vllm_ddtree.testing.engines import shutdown
 
         llm = make_engine(args, spec, width)
+        if name.endswith(BASE):
+            import vllm_ddtree
+
+            if not Path(vllm_ddtree.__file__).is_relative_to(Path(args.base_src).resolve()):
+                raise RuntimeError(f"{name}: imported {vllm_ddtree.__file__}, not the copy "
+                                   f"in --base-src {args.base_src}")
         marks = mark_outputs(llm)
         if args.host_timing:
             from benchmarks.hosttime import timer_for
@@ -369,6 +383,10 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
             e.stop()
 
 
+# kernel names are long templates; this prefix tells apart the ones a step launches
+KERNEL_NAME_CHARS = 160
+
+
 def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
     """The same generate again under torch.profiler (engine in the worker's own process:
     --profile sets VLLM_ENABLE_V1_MULTIPROCESSING=0 there): wall and GPU-busy time per
@@ -405,8 +423,15 @@ def profile_generate(llm, batch, sp, spec, top: int = 6, trace=None) -> dict:
             shutil.copyfileobj(src, dst)
         os.remove(trace)
     per = max((run.drafts if spec else run.tokens) / len(batch), 1.0)  # this run's steps
+    # every kernel by name (ms and launches per step): what step_cost compares by kernel
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        acc = by_name.setdefault(e.key[:KERNEL_NAME_CHARS], [0.0, 0.0])
+        acc[0] += e.self_device_time_total / 1000 / per
+        acc[1] += e.count / per
     return dict(prof_wall_ms=1000 * run.wall / per, gpu_busy_ms=busy_us / 1000 / per,
                 prof_steps=per,
+                kernels=[(k, round(ms, 5), round(c, 2)) for k, (ms, c) in by_name.items()],
                 top_kernels=[(e.key[:60], round(e.self_device_time_total / 1000 / per, 4),
                               round(e.count / per, 2)) for e in kernels[:top]],
                 top_host=[(e.key[:60], round(e.self_cpu_time_total / 1000 / per, 4),
@@ -471,13 +496,15 @@ def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
     """``(name, speculative_config or None, verify rows per request)`` per engine of
     ``--methods``; ``ValueError`` for an unknown one.  A method with the suffix
     ``@inproc`` is the same engine with vLLM's engine core in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), named with the suffix."""
-    inproc = [m[: -len(INPROC)] for m in wanted if m.endswith(INPROC)]
-    if inproc:
-        plain = [m for m in wanted if not m.endswith(INPROC)]
-        return ((build_methods(plain, budgets, drafter, k) if plain else [])
-                + [(n + INPROC, spec, w)
-                   for n, spec, w in build_methods(inproc, budgets, drafter, k)])
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), named with the suffix; ``@base``: the same
+    engine running the package copy in ``--base-src`` (before/after in one run)."""
+    for suffix in (INPROC, BASE):
+        marked = [m[: -len(suffix)] for m in wanted if m.endswith(suffix)]
+        if marked:
+            plain = [m for m in wanted if not m.endswith(suffix)]
+            return ((build_methods(plain, budgets, drafter, k) if plain else [])
+                    + [(n + suffix, spec, w)
+                       for n, spec, w in build_methods(marked, budgets, drafter, k)])
     fixed = [m for m in wanted if re.fullmatch(r"ddtree-[1-9][0-9]*", m)]  # static budget N
     unknown = (set(wanted) - set(fixed)
                - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"})
@@ -523,7 +550,8 @@ def main(argv=None) -> int:
                          "ddtree-N (one engine of static budget N), ddtree-auto (adaptive "
                          "budget up to the largest of --budgets), ddtree-online (the same, "
                          "re-tuned from the trees' expected acceptance); any of them with "
-                         "the suffix @inproc: vLLM's engine core in-process")
+                         "the suffix @inproc: vLLM's engine core in-process, or @base: the package "
+                         "copy in --base-src")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
@@ -535,6 +563,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pin-cpus", choices=("auto", "on", "off"), default="auto",
                     help="pin each interleaved engine's processes to its own CPUs (auto: on "
                          "a GPU with at least two CPUs per engine; never with --sequential)")
+    ap.add_argument("--base-src", type=Path, default=None,
+                    help="a directory holding another copy of the vllm_ddtree package, run "
+                         "by the methods with the suffix @base")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument("--jit-verbose", action="store_true",
                     help="log every kernel JIT compilation after vLLM's warm-up (a "
@@ -555,6 +586,10 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
     if args.trace and not args.profile:
         ap.error("--trace needs --profile")
+    if any(m.endswith(BASE) for m in args.methods.split(",")):
+        if args.base_src is None or not (args.base_src / "vllm_ddtree").is_dir():
+            ap.error("methods with @base need --base-src DIR holding a vllm_ddtree copy")
+        args.base_src = args.base_src.resolve()
     if args.host_timing and not all(m.endswith(INPROC) for m in args.methods.split(",")):
         ap.error("--host-timing needs every method in-process: add @inproc to each")
     out = args.out = Path(args.out)

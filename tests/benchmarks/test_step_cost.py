@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
-from benchmarks.step_cost import step_rows
+from benchmarks.step_cost import kernel_diffs, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,6 +40,25 @@ def test_accept_all_target_emits_one_token_everywhere(tmp_path):
 def _row(method: str, tau: float, gaps: list[float], batch: int = 1) -> dict:
     return dict(method=method, temperature=0.0, batch=batch, tau=tau, median_gap_ms=gaps,
                 tok_s=1.0, req_per_engine_step=1.0, warm_calls_s=[0.3, 0.1])
+
+
+def test_kernel_diffs_rank_kernels_by_difference_from_dflash():
+    """A kernel only the tree launches, one it launches more often, one equal: ranked by
+    the absolute ms difference; DFlash's own and AR's rows get no entry."""
+    def prof(method, kernels, busy):
+        return dict(method=method, temperature=0.0, batch=1, gpu_busy_ms=busy,
+                    kernels=kernels)
+
+    rows = [prof("dflash", [("gemm", 5.0, 37.0), ("fa3", 0.5, 36.0)], 5.5),
+            prof("ar", [("gemm", 4.0, 37.0)], 4.0),
+            prof("ddtree-15", [("gemm", 5.0, 37.0), ("fa3", 0.52, 36.0),
+                               ("tree_attn", 0.2, 36.0)], 5.72)]
+    (d,) = kernel_diffs(rows, top=2)
+    assert (d["method"], d["gpu_busy_ms"], d["dflash_gpu_busy_ms"]) == ("ddtree-15", 5.72, 5.5)
+    assert d["kernels"] == [("tree_attn", 0.2, 36.0), ("fa3", 0.02, 0.0)]
+    # a kernel DFlash launches and the tree does not counts as a negative difference
+    rows[2]["kernels"] = [("gemm", 5.0, 37.0)]
+    assert kernel_diffs(rows, top=1)[0]["kernels"] == [("fa3", -0.5, -36.0)]
 
 
 def test_step_rows_ratio_and_equal_acceptance_flag():
