@@ -209,8 +209,9 @@ def v2_stubs(monkeypatch):
     monkeypatch.setattr(fa.FlashAttentionMetadataBuilder, "__init__",
                         lambda self, spec, names, config, device: setattr(
                             self, "layer_names", names))
+    # vLLM's build: returns what it was given (common_prefix_len, common metadata)
     monkeypatch.setattr(fa.FlashAttentionMetadataBuilder, "build",
-                        lambda self, *args, **kwargs: SimpleNamespace())
+                        lambda self, *args, **kwargs: SimpleNamespace(args=args))
     monkeypatch.setattr(fa, "get_flash_attn_version", lambda: 3)
 
 
@@ -253,7 +254,6 @@ def test_two_engines_in_one_process_keep_their_own_buffers(v2_stubs):
     verifier, attention layers and metadata builder through that engine's own objects
     (target model, static_forward_context): a second engine in the same process neither
     replaces nor reads the first one's."""
-    import torch
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBuilder
@@ -273,10 +273,7 @@ def test_two_engines_in_one_process_keep_their_own_buffers(v2_stubs):
 
     # one engine's step state drives only its own attention metadata
     first.tree_buffers.step_has_trees, second.tree_buffers.step_has_trees = True, False
-    common = SimpleNamespace(num_reqs=2, query_start_loc=torch.tensor([0, 7, 14],
-                                                                      dtype=torch.int32),
-                             seq_lens=torch.tensor([20, 30], dtype=torch.int32),
-                             max_query_len=7)
+    common = _common(query_start=[0, 7, 14], seq_lens=[20, 30], max_query_len=7)
     meta = first.builder.build(0, common)
     assert meta.ddtree.row_bits is first.tree_buffers.row_bits
     assert meta.ddtree.max_rows == 7 and meta.ddtree.fused
@@ -292,6 +289,43 @@ def test_two_engines_in_one_process_keep_their_own_buffers(v2_stubs):
     positions = first.state.prepare_inputs(SimpleNamespace(num_tokens_after_padding=4),
                                            None)["positions"]
     assert positions.data_ptr() == first.tree_buffers.row_positions.data_ptr()
+
+
+def _common(query_start: list[int], seq_lens: list[int], max_query_len: int):
+    """vLLM's CommonAttentionMetadata, the fields the tree builder reads (and its
+    ``replace``)."""
+    import torch
+
+    fields = dict(num_reqs=len(seq_lens), max_query_len=max_query_len, causal=True,
+                  query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    common = SimpleNamespace(**fields)
+    common.replace = lambda **kw: SimpleNamespace(**{**fields, **kw})
+    return common
+
+
+def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
+    """In a fused tree step (every request within 1 + budget rows) vLLM's builder gets
+    the prefix call's inputs (its FA3 schedule is the one forward's prefix call uses):
+    each request's prefix length, non-causal, no cascade.  Other steps get vLLM's own."""
+    import torch
+
+    engine = _engine()
+    engine.tree_buffers.step_has_trees = True
+    meta = engine.builder.build(5, _common([0, 7, 10], [20, 30], max_query_len=7))
+    prefix_len, given = meta.args[:2]
+    assert meta.ddtree.fused and prefix_len == 0
+    assert given.causal is False and given.seq_lens.tolist() == [13, 27]
+    assert given.seq_lens.data_ptr() == meta.ddtree.prefix_lens.data_ptr()
+    # a step with a prefill chunk (8 rows > 1 + budget): vLLM's causal metadata
+    common = _common([0, 8, 9], [20, 30], max_query_len=8)
+    meta = engine.builder.build(5, common)
+    assert not meta.ddtree.fused and meta.args[:2] == (5, common)
+    # a step without trees: vLLM's metadata, no tree part
+    engine.tree_buffers.step_has_trees = False
+    meta = engine.builder.build(5, common)
+    assert meta.ddtree is None and meta.args[:2] == (5, common)
+    assert torch.equal(common.seq_lens, torch.tensor([20, 30], dtype=torch.int32))
 
 
 def test_missing_buffer_wiring_fails_clearly(v2_stubs):

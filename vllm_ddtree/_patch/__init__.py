@@ -63,11 +63,11 @@ _V2_ATTRS = (
             "scale vllm_flash_attn_version"),
     *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
             "num_actual_tokens query_start_loc max_query_len max_seq_len block_table "
-            "max_num_splits"),
+            "max_num_splits scheduler_metadata"),
     # where the tree attention builder finds its engine's buffers (its layers)
     "vllm.config.compilation:CompilationConfig.static_forward_context",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
-            "num_reqs query_start_loc seq_lens max_query_len"),
+            "num_reqs query_start_loc seq_lens max_query_len causal replace"),
     # verified as a chain (gpu/buffers.py needs_chain, gpu/model_state.py)
     "vllm.sampling_params:SamplingParams.thinking_token_budget",
     "vllm.config.model:ModelConfig.logits_processors",

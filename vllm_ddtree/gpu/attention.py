@@ -99,10 +99,10 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashAttentionMetadata:
-        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        meta.ddtree = None
         tree_buffers = self._ddtree_buffers
         if not tree_buffers.step_has_trees:
+            meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+            meta.ddtree = None
             return meta
         common = common_attn_metadata
         num_reqs = common.num_reqs
@@ -112,6 +112,15 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
         torch.sub(common.seq_lens[:num_reqs], query_lens, out=prefix_lens)
         max_rows = tree_buffers.max_rows
         fused = common.max_query_len <= max_rows and self._ddtree_fa3
+        if fused:
+            # vLLM's builder then makes FA3's schedule (scheduler_metadata, kept in its
+            # persistent buffer under FULL CUDA graphs) for the call forward makes:
+            # non-causal over each request's prefix, no cascade.  Without it FA3 plans
+            # the split inside every layer's call (one more kernel per layer and step).
+            meta = super().build(0, common.replace(seq_lens=prefix_lens, causal=False),
+                                 fast_build)
+        else:
+            meta = super().build(common_prefix_len, common, fast_build)
         query_end = None
         if not fused:
             query_end = self._ddtree_query_end[:num_reqs]
@@ -158,6 +167,7 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
                 max_seqlen_q=meta.max_query_len, seqused_k=tree.prefix_lens,
                 max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=False,
                 block_table=meta.block_table, return_softmax_lse=True,
+                scheduler_metadata=meta.scheduler_metadata,
                 fa_version=self.vllm_flash_attn_version, num_splits=meta.max_num_splits)
             tree_attention_triton(q, key_cache, value_cache, meta.block_table,
                                   meta.query_start_loc, tree.prefix_lens, tree.row_bits,
