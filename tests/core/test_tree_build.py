@@ -195,3 +195,46 @@ def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
     got_lp, got_tok = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned)
     assert torch.equal(got_tok.cpu(), want_tok)
     torch.testing.assert_close(got_lp.cpu(), want_lp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
+                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("topk_pruned,k", [(False, 5), (True, 5), (True, 40), (True, 70)])
+def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
+    """The top-k kernel's own pass flags each depth whose logits hold a NaN, +inf or -inf
+    (k = 70: beyond the kernel, torch's top-k path), the same as torch.isfinite."""
+    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+
+    dev = "cuda" if _ON_GPU else "cpu"
+    x = torch.randn(3, 4, 3000, generator=torch.Generator().manual_seed(k))
+    x[0, 1, 17] = float("nan")
+    x[1, 2, 2999] = float("inf")  # the last entry of the last chunk
+    x[2, 0, 0] = float("-inf")
+    x[2, 3, 1500] = float("nan")
+    want = ~torch.isfinite(x).all(dim=-1)  # [3, 4]
+    assert want.sum() == 4
+    *_, got = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned, with_nonfinite=True)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(depth_candidates(x, k, with_nonfinite=True)[2], want)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_build_keeps_each_depths_best_token_and_nonfinite_requests(impl):
+    """build_tree's by-products: ``top1`` is the drafter's chain (argmax per depth, ties
+    to the lower id), ``nonfinite`` the requests drop_nonfinite empties, which then reads
+    the flag instead of the logits."""
+    from vllm_ddtree.tree import drop_nonfinite
+
+    if impl == "triton" and __import__("os").environ.get("TRITON_INTERPRET") != "1" \
+            and not _ON_GPU:
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    x = torch.randint(0, 5, (4, 3, 300), generator=torch.Generator().manual_seed(1)).float()
+    x[2, 1, 7] = float("nan")
+    tree = build_tree(x, 8, impl=impl)
+    sane = torch.nan_to_num(x, nan=float("-inf"))
+    assert torch.equal(tree.top1, sane.argmax(dim=-1))
+    assert tree.nonfinite.tolist() == [False, False, True, False]
+    bad = drop_nonfinite(tree, torch.zeros_like(x))  # finite logits: the flag decides
+    assert bad.tolist() == [False, False, True, False]
+    assert (tree.token_ids[2] == -1).all() and int(tree.num_nodes[2]) == 0
+    assert int(tree.num_nodes[0]) == 8

@@ -50,26 +50,28 @@ if HAS_TRITON:
         ok = offs < V
         x = tl.load(X + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf"))
         x = x.to(tl.float32)
+        bad = ok & ((x != x) | (tl.abs(x) == float("inf")))  # NaN or +-inf
         x = tl.where(x != x, float("-inf"), x)
         x = tl.where(x == float("inf"), big, x)
-        return x, offs, ok
+        return x, offs, ok, bad
 
     @triton.jit
-    def _chunk_max_sum(x, M, S, row, c, n_chunks):
+    def _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks):
         m = tl.max(x, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         tl.store(M + row * n_chunks + c, m)
         tl.store(S + row * n_chunks + c, tl.sum(tl.exp(x - m_safe), 0))
+        tl.store(NF + row * n_chunks + c, tl.max(bad.to(tl.int32), 0))
 
     @triton.jit
-    def _chunk_max_sum_kernel(X, M, S, V, stride, n_chunks, big, CHUNK: tl.constexpr):
+    def _chunk_max_sum_kernel(X, M, S, NF, V, stride, n_chunks, big, CHUNK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
-        x, offs, ok = _load_sanitized(X, row, c, stride, V, big, CHUNK)
-        _chunk_max_sum(x, M, S, row, c, n_chunks)
+        x, offs, ok, bad = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
 
     @triton.jit
-    def _chunk_topk_kernel(X, KEYS, M, S, T, V, stride, n_chunks, big,
+    def _chunk_topk_kernel(X, KEYS, M, S, NF, T, V, stride, n_chunks, big,
                            K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
                            PRUNED: tl.constexpr):
         row = tl.program_id(0)
@@ -82,9 +84,9 @@ if HAS_TRITON:
             if tl.load(M + row * n_chunks + c) < t:  # no entry of this chunk can make it
                 tl.store(out, res, mask=slots < K)
                 return
-        x, offs, ok = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        x, offs, ok, bad = _load_sanitized(X, row, c, stride, V, big, CHUNK)
         if not PRUNED:
-            _chunk_max_sum(x, M, S, row, c, n_chunks)
+            _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
         bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 -> +0.0
         bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         key = (bits << 32) | (4294967295 - offs.to(tl.int64))
@@ -113,13 +115,16 @@ def topk_lse(
     k: int,
     chunk: int | None = None,
     pruned: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_nonfinite: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per row, the ``k`` best sanitized values and their token ids, and the log-sum-exp.
 
     Returns ``(values [rows, k] float32, token_ids [rows, k] int64, lse [rows]
-    float32)``, ranked by value descending, ties by lower id.  ``pruned``: the variant
-    (module docstring); ``k <= topk_lse_max_k(pruned)``.  ``chunk``: vocabulary entries
-    per program (default: the variant's).  No host sync.
+    float32)``, ranked by value descending, ties by lower id; with
+    ``return_nonfinite`` also ``nonfinite [rows] bool``: the row held a NaN or an inf
+    (found in the same pass over the logits).  ``pruned``: the variant (module
+    docstring); ``k <= topk_lse_max_k(pruned)``.  ``chunk``: vocabulary entries per
+    program (default: the variant's).  No host sync.
     """
     rows, V = x.shape
     assert x.stride(1) == 1 and 0 < k <= min(topk_lse_max_k(pruned), V)
@@ -128,20 +133,23 @@ def topk_lse(
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=x.device)
     chunk_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     chunk_sum = torch.empty_like(chunk_max)  # sum of exp(x - chunk max)
+    chunk_bad = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
     big = min(float(torch.finfo(x.dtype).max), float(torch.finfo(torch.float32).max))
     bound = chunk_max  # [rows] when pruned; unread otherwise
     if rows:
         grid = (rows, n_chunks)
         if pruned:
-            _chunk_max_sum_kernel[grid](x, chunk_max, chunk_sum, V, x.stride(0), n_chunks,
-                                        big, CHUNK=chunk, num_warps=8)
+            _chunk_max_sum_kernel[grid](x, chunk_max, chunk_sum, chunk_bad, V, x.stride(0),
+                                        n_chunks, big, CHUNK=chunk, num_warps=8)
             if n_chunks >= k:
                 bound = torch.topk(chunk_max, k, dim=-1).values[:, k - 1].contiguous()
             else:  # fewer chunks than k: no bound
                 bound = torch.full((rows,), float("-inf"), device=x.device)
         _chunk_topk_kernel[grid](
-            x, keys, chunk_max, chunk_sum, bound, V, x.stride(0), n_chunks, big,
+            x, keys, chunk_max, chunk_sum, chunk_bad, bound, V, x.stride(0), n_chunks, big,
             K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, PRUNED=pruned, num_warps=8)
     top = torch.topk(keys, k, dim=-1).values  # unique keys: exact, sorted best first
     lse = torch.logsumexp(chunk_max + torch.log(chunk_sum), dim=-1)
+    if return_nonfinite:
+        return unpack_scores(top), unpack_ties(top), lse, chunk_bad.amax(dim=-1) > 0
     return unpack_scores(top), unpack_ties(top), lse

@@ -58,6 +58,11 @@ class DraftTree:
     (0 = the root, ``k + 1`` = node ``k``; always ``<= j``) and depth ``depths[r, j]``
     (1..D).  Slots ``j >= num_nodes[r]`` hold -1, -1 and 0.  ``scores`` holds each
     node's float32 log-probability under the drafter (-inf in unused slots).
+
+    :func:`build_tree` also keeps two by-products of its pass over the draft logits
+    (``None`` on trees from elsewhere): ``top1``, each depth's best token (the
+    drafter's chain), and ``nonfinite``, whether a request's logits held a NaN or an inf
+    (what :func:`drop_nonfinite` acts on).
     """
 
     token_ids: torch.Tensor  # [R, Bmax] int64
@@ -66,6 +71,8 @@ class DraftTree:
     num_nodes: torch.Tensor  # [R] int64
     scores: torch.Tensor  # [R, Bmax] float32
     max_depth: int  # D (static)
+    top1: torch.Tensor | None = None  # [R, D] int64 each depth's best token
+    nonfinite: torch.Tensor | None = None  # [R] bool the draft logits held NaN/inf
 
     @property
     def width(self) -> int:
@@ -91,7 +98,8 @@ class DraftTree:
         if n >= self.width:
             return self
         return DraftTree(self.token_ids[:, :n], self.parents[:, :n], self.depths[:, :n],
-                         self.num_nodes.clamp(max=n), self.scores[:, :n], self.max_depth)
+                         self.num_nodes.clamp(max=n), self.scores[:, :n], self.max_depth,
+                         self.top1, self.nonfinite)
 
 
 def drop_nonfinite(
@@ -103,9 +111,11 @@ def drop_nonfinite(
 
     :func:`build_tree` itself ranks such entries (NaN last, +inf first); this is the
     runners' policy on top of it.  In place, graph-capturable, no host sync.  Returns
-    the bool mask ``[R]`` of emptied requests.
+    the bool mask ``[R]`` of emptied requests (the tree's ``nonfinite`` where the build
+    kept it: no second pass over the logits).
     """
-    bad = ~torch.isfinite(draft_logits).flatten(1).all(dim=1)
+    bad = (tree.nonfinite if tree.nonfinite is not None
+           else ~torch.isfinite(draft_logits).flatten(1).all(dim=1))
     rows = bad.unsqueeze(1)
     tree.token_ids.masked_fill_(rows, -1)
     tree.parents.masked_fill_(rows, -1)
@@ -128,22 +138,27 @@ def depth_candidates(
     k: int,
     inplace: bool = False,
     topk_pruned: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_nonfinite: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per depth, the ``k`` best tokens and their log-probabilities.
 
     Returns ``(logprobs [R, D, k] float32, token_ids [R, D, k] int64)``, ranked by logit
-    descending, ties by lower token id.  With ``inplace`` (CUDA) NaN/inf entries of
-    ``draft_logits`` may be overwritten by their sanitized values.  ``topk_pruned``: the
-    CUDA top-k variant (see :func:`build_tree`); every variant gives the same result.
+    descending, ties by lower token id; with ``with_nonfinite`` also ``nonfinite [R, D]
+    bool`` (the depth's logits held a NaN or an inf; found by the CUDA top-k kernel in
+    its own pass).  With ``inplace`` (CUDA) NaN/inf entries of ``draft_logits`` may be
+    overwritten by their sanitized values (``nonfinite`` is read before).
+    ``topk_pruned``: the CUDA top-k variant (see :func:`build_tree`); every variant
+    gives the same result.
     """
     if draft_logits.is_cuda and HAS_TRITON:
-        return _depth_candidates_cuda(draft_logits, k, inplace, topk_pruned)
+        return _depth_candidates_cuda(draft_logits, k, inplace, topk_pruned, with_nonfinite)
+    nonfinite = ~torch.isfinite(draft_logits).all(dim=-1) if with_nonfinite else None
     x = sanitized_logits(draft_logits)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     vals, idx = _topk_exact_ties(x, k)
     lp = vals - lse
     lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
-    return lp, idx
+    return (lp, idx, nonfinite) if with_nonfinite else (lp, idx)
 
 
 def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,13 +196,15 @@ def _depth_candidates_cuda(
     k: int,
     inplace: bool,
     topk_pruned: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_nonfinite: bool = False,
+) -> tuple[torch.Tensor, ...]:
     R, D, V = draft_logits.shape
     x = draft_logits.reshape(R * D, V)
     if k <= topk_lse_max_k(topk_pruned):  # chunked top-k keys: exact ties by construction
-        vals, idx, lse = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
-                                  pruned=topk_pruned)
+        vals, idx, lse, nonfinite = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
+                                             pruned=topk_pruned, return_nonfinite=True)
     else:
+        nonfinite = ~torch.isfinite(x).all(dim=-1) if with_nonfinite else None
         if not inplace or not x.is_contiguous():
             x = x.clone()
         lse = logsumexp_sanitize(x, sanitize_inplace=True)
@@ -196,6 +213,8 @@ def _depth_candidates_cuda(
         idx = torch.gather(idx, -1, perm)
     lp = vals - lse.unsqueeze(1)
     lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
+    if with_nonfinite:
+        return lp.view(R, D, k), idx.view(R, D, k), nonfinite.view(R, D)
     return lp.view(R, D, k), idx.view(R, D, k)
 
 
@@ -242,24 +261,29 @@ def build_tree(
     if width < 0:
         raise ValueError(f"build_tree: budget must be >= 0, got {width}")
 
-    empty = DraftTree.empty(R, width, D, dev)
-    if width == 0 or R == 0 or D == 0 or V == 0:
-        return empty
-
-    K = min(width, V)
-    lp, tok = depth_candidates(draft_logits, K, inplace, topk_pruned)  # [R, D, K]
-
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"build_tree: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return DraftTree.empty(R, width, D, dev)
+
+    K = min(width, V)
+    lp, tok, nonfinite = depth_candidates(draft_logits, K, inplace, topk_pruned,
+                                          with_nonfinite=True)  # [R, D, K], [R, D]
+    top1, nonfinite = tok[:, :, 0], nonfinite.any(dim=1)  # [R, D], [R]
+
     if impl != "torch":
         ok = triton_build_supported(D, K, width)
         if impl == "triton" or (ok and draft_logits.is_cuda):
             if not ok:
                 raise ValueError(f"build_tree: impl='triton' does not support D={D}, "
                                  f"K={K}, width={width}")
-            (empty.token_ids, empty.parents, empty.depths, empty.scores,
-             empty.num_nodes) = tree_build_triton(lp, tok, width, per_req)
-            return empty
+            token_ids, parents, depths, scores, num_nodes = tree_build_triton(
+                lp, tok, width, per_req)
+            return DraftTree(token_ids, parents, depths, num_nodes, scores, D, top1,
+                             nonfinite)
+
+    empty = DraftTree.empty(R, width, D, dev)
+    empty.top1, empty.nonfinite = top1, nonfinite
 
     # Per-depth top-`width` sets, each sorted by key (best first).
     scores = [lp[:, 0, :]]  # depth 1: ranks 0..K-1 are already in key order
