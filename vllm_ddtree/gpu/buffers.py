@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_ddtree.gpu.tree_store import store_trees
 from vllm_ddtree.gpu.verify_rows import causal_words, fill_tree_rows, use_triton, walk_verify
-from vllm_ddtree.tree import DraftTree, drop_nonfinite, tree_layout, walk_tree
+from vllm_ddtree.tree import DraftTree, walk_tree
 
 
 @dataclass
@@ -95,22 +96,20 @@ class TreeBuffers:
         tree: DraftTree,  # num_reqs trees of budget nodes
         draft_logits: torch.Tensor,  # [num_reqs, max_depth, vocab]
         draft_tokens: torch.Tensor,  # [max_num_reqs, budget] the speculator's draft tokens
-    ) -> None:
-        """Write the batch's trees.  Graph-capturable.  Requests whose draft logits hold
-        NaN/inf get an empty tree and an empty chain (bonus token only) and are counted
-        in ``num_nonfinite``."""
-        bad = drop_nonfinite(tree, draft_logits)
+    ) -> torch.Tensor:  # [num_reqs] bool
+        """Write the batch's trees (one kernel, :func:`store_trees`; graph-capturable).
+        Requests whose draft logits hold NaN/inf get an empty tree and an empty chain
+        (bonus token only) and are counted in ``num_nonfinite``; returns their mask.
+        The drafter's chain and the NaN/inf mask are the tree build's by-products
+        (``tree.top1``, ``tree.nonfinite``), else read from ``draft_logits``."""
+        bad = (tree.nonfinite if tree.nonfinite is not None
+               else ~torch.isfinite(draft_logits).flatten(1).all(dim=1))
+        top1 = tree.top1 if tree.top1 is not None else draft_logits.argmax(dim=-1)
         self.num_nonfinite.add_(bad.sum())
-        num_reqs = tree.token_ids.shape[0]
-        layout = tree_layout(tree, torch.zeros(num_reqs, dtype=torch.int64,
-                                               device=tree.token_ids.device))
-        draft_tokens[:num_reqs].copy_(tree.token_ids.clamp(min=0))
-        self.batch_walk_tokens[:num_reqs].copy_(tree.token_ids)  # -1 in unused slots
-        self.batch_parents[:num_reqs].copy_(tree.parents.clamp(min=0))
-        self.batch_depths[:num_reqs].copy_(layout.depths)
-        self.batch_ancestor_bits[:num_reqs].copy_(layout.ancestor_bits)
-        self.batch_chain[:num_reqs].copy_(
-            draft_logits.argmax(dim=-1).masked_fill(bad.unsqueeze(1), -1))
+        store_trees(tree.token_ids, tree.parents, tree.depths, bad, top1, draft_tokens,
+                    self.batch_walk_tokens, self.batch_parents, self.batch_depths,
+                    self.batch_ancestor_bits, self.batch_chain)
+        return bad
 
     def apply_chain_fallback(
         self,

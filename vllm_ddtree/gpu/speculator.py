@@ -129,9 +129,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_logits = self.model.compute_logits(hidden_states[rows]).view(
             num_reqs, max_depth, -1)
         tree = build_tree(draft_logits, budget)
-        self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
-        if self.online is not None:
-            self.online.store(tree.scores)
+        bad = self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
+        if self.online is not None:  # an emptied tree expects nothing
+            self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
 
     # -- one step ----------------------------------------------------------------------
     def propose(

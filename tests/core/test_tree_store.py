@@ -1,0 +1,144 @@
+"""``store_trees``: the one-launch Triton kernel (TRITON_INTERPRET=1 on CPU) equals its
+torch reference exactly, and ``TreeBuffers.store_batch`` (which passes it the tree
+build's own NaN/inf mask and chain) writes what the logits themselves say."""
+
+import os
+
+import pytest
+import torch
+
+from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.tree_store import store_trees
+from vllm_ddtree.tree import build_tree
+
+needs_interp = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+V = 48
+SENTINEL = -7
+
+
+def _logits(R: int, D: int, seed: int) -> torch.Tensor:  # [R, D, V]
+    """Peaked rows (deep trees) and flat rows (wide trees)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([8.0, 0.5, 3.0, 8.0, 1.0, 20.0])[torch.arange(R) % 6]
+    return torch.randn(R, D, V, generator=g) * scale.view(R, 1, 1)
+
+
+def _budgets(R: int, B: int) -> torch.Tensor:  # [R] some requests below the width
+    return torch.tensor([B, B // 2, 0, B, 1, max(B - 3, 0)])[torch.arange(R) % 6]
+
+
+def _outputs(S: int, B: int, D: int, draft_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Outputs of ``S`` rows, every entry the sentinel."""
+    W = B + 1
+    NW = (W + 31) // 32
+
+    def full(shape, dtype=torch.int64):
+        return torch.full(shape, SENTINEL, dtype=dtype, device=DEV)
+
+    return [full((S, B), draft_dtype), full((S, B)), full((S, B)), full((S, W)),
+            full((S, W, NW), torch.int32), full((S, D))]
+
+
+def _run(impl, tree, bad, top1, outs):
+    args = [t.to(DEV) for t in (tree.token_ids, tree.parents, tree.depths, bad, top1)]
+    store_trees(*args, *outs, impl=impl)
+
+
+@needs_interp
+@pytest.mark.parametrize("draft_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("D", [1, 4, 16])
+@pytest.mark.parametrize("B", [1, 15, 31, 63, 100])
+def test_triton_matches_reference(B, D, draft_dtype):
+    R, extra = 6, 3
+    logits = _logits(R, D, seed=B * 100 + D)
+    tree = build_tree(logits, _budgets(R, B), max_budget=B)
+    bad = torch.tensor([False, True, False, False, False, True])
+    top1 = tree.top1  # the build's own: a strided view of its candidates
+    assert torch.equal(top1, logits.argmax(dim=-1))
+    assert B == 1 or not top1.is_contiguous()  # one candidate per depth: contiguous
+    inputs = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
+    ref, got = (_outputs(R + extra, B, D, draft_dtype) for _ in range(2))
+    _run("torch", tree, bad, top1, ref)
+    _run("triton", tree, bad, top1, got)
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
+        assert torch.all(g[R:] == SENTINEL)  # rows >= R untouched
+    # the inputs are not modified
+    for before, t in zip(inputs, (tree.token_ids, tree.parents, tree.depths)):
+        assert torch.equal(before, t)
+    # the cases exercise what they claim: bad rows empty, short trees, deep trees
+    draft, walk, _, depths, _, chain = (t.cpu() for t in ref)
+    assert torch.all(walk[:R][bad] == -1) and torch.all(chain[:R][bad] == -1)
+    assert torch.all(draft[:R] >= 0)
+    assert int((walk[:R] == -1).sum()) > int(bad.sum()) * B
+    if D > 1 and B > 1:
+        assert int(depths[:R].max()) > 1
+
+
+@needs_interp
+def test_chain_sets_the_sign_bit():
+    """A 40-node chain: row i sees rows 0..i (a full word 0 is -1: bit 31 is the sign)."""
+    B, D = 40, 40
+    tree = build_tree(torch.zeros(1, D, V), 0, max_budget=B)
+    tree.token_ids[0] = torch.arange(B)
+    tree.parents[0] = torch.arange(B)  # node j's parent is row j (node j - 1)
+    tree.depths[0] = torch.arange(1, B + 1)
+    bad = torch.tensor([False])
+    top1 = torch.arange(D).unsqueeze(0)
+    for impl in ("torch", "triton"):
+        outs = _outputs(2, B, D, torch.int64)
+        _run(impl, tree, bad, top1, outs)
+        bits = outs[4].cpu()
+        assert bits[0, 0].tolist() == [1, 0]
+        assert bits[0, 30].tolist() == [2**31 - 1, 0]
+        assert bits[0, 31].tolist() == [-1, 0]
+        assert bits[0, 32].tolist() == [-1, 1]
+        assert bits[0, B].tolist() == [-1, 2**9 - 1]
+        assert torch.equal(outs[3][0].cpu(), torch.arange(B + 1))
+
+
+@pytest.mark.parametrize("D", [1, 4])
+@pytest.mark.parametrize("B", [1, 15, 100])
+def test_reference_matches_store_batch(B, D):
+    """``store_batch`` passes ``store_trees`` the build's by-products (``tree.nonfinite``,
+    ``tree.top1``): its buffers equal ``store_trees`` given the mask and the argmax read
+    from the logits themselves (Triton too, where it runs)."""
+    R, S = 5, 7
+    logits = _logits(R, D, seed=7 * B + D)
+    logits[1, D - 1, 3] = float("nan")
+    logits[4, 0, 0] = float("inf")
+    tree = build_tree(logits, _budgets(R, B), max_budget=B)
+    bad = ~torch.isfinite(logits).flatten(1).all(dim=1)
+    top1 = logits.argmax(dim=-1)
+    tokens = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
+
+    tb = TreeBuffers(max_num_reqs=S, max_num_tokens=64, budget=B, max_depth=D, device="cpu")
+    fresh = [t.clone() for t in (tb.batch_walk_tokens, tb.batch_parents, tb.batch_depths,
+                                 tb.batch_ancestor_bits, tb.batch_chain)]
+    draft_tokens = torch.full((S, B), SENTINEL, dtype=torch.int32)
+    tb.store_batch(tree, logits, draft_tokens)
+    want = [draft_tokens, tb.batch_walk_tokens, tb.batch_parents, tb.batch_depths,
+            tb.batch_ancestor_bits, tb.batch_chain]
+    assert int(tb.num_nonfinite) == 2
+
+    impls = ["torch"]
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        impls.append("triton")
+    for impl in impls:
+        outs = [torch.full((S, B), SENTINEL, dtype=torch.int32)] + [t.clone() for t in fresh]
+        outs = [t.to(DEV) for t in outs]
+        store_trees(*(t.to(DEV) for t in (*tokens, bad, top1)), *outs, impl=impl)
+        for w, o in zip(want, outs):
+            assert torch.equal(w, o.cpu()), impl
+
+
+def test_rejects_mismatched_outputs():
+    tree = build_tree(_logits(2, 3, seed=0), 7)
+    outs = _outputs(2, 7, 3, torch.int64)
+    outs[3] = outs[3][:, :-1]  # depths must have B + 1 columns
+    with pytest.raises(ValueError, match="not"):
+        store_trees(tree.token_ids, tree.parents, tree.depths, torch.zeros(2, dtype=torch.bool),
+                    torch.zeros(2, 3, dtype=torch.int64), *outs, impl="torch")

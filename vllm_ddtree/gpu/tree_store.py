@@ -1,0 +1,204 @@
+"""One launch that stores a batch of draft trees as verify metadata.
+
+Given the best-first trees of a batch (:class:`~vllm_ddtree.tree.DraftTree` fields), the
+mask of requests whose draft logits held NaN/inf and the drafter's top-1 token per depth,
+:func:`store_trees` writes what the verify step reads: the draft tokens, the walk tokens,
+the parents, the per-row depths, the ancestor-or-self bits of every verify row and the
+chain fallback.  The torch reference is the core's own functions
+(:func:`~vllm_ddtree.tree.drop_nonfinite`, :func:`~vllm_ddtree.tree.tree_layout`, clamps),
+about 35 small kernels; the Triton kernel is one program per request.
+
+Verify row 0 of a request is its root, row ``j + 1`` is node ``j``.  Row ``i``'s bits
+hold its ancestors and itself: the kernel walks every row's parent chain up to the root in
+``max depth`` vectorized steps (all rows of a request at once), reading parents from the
+input, so no step depends on an earlier step's stores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.tree import DraftTree, drop_nonfinite, tree_layout
+
+
+def _use_triton(impl: str, tensor: torch.Tensor) -> bool:
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"store_trees: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and HAS_TRITON and tensor.is_cuda)
+
+
+def _check_shapes(
+    token_ids: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    bad: torch.Tensor,
+    top1: torch.Tensor,
+    outs: tuple[torch.Tensor, ...],
+) -> None:
+    """Shape checks on metadata only (no device access)."""
+    R, B = token_ids.shape
+    D = top1.shape[1]
+    W = B + 1
+    NW = (W + 31) // 32
+    out_draft, out_walk, out_parents, out_depths, out_bits, out_chain = outs
+    if parents.shape != (R, B) or depths.shape != (R, B) or bad.shape != (R,):
+        raise ValueError("store_trees: token_ids, parents, depths must be [R, B], bad [R]")
+    if top1.shape[0] != R:
+        raise ValueError(f"store_trees: top1 must be [R={R}, D], got {tuple(top1.shape)}")
+    wanted = [(out_draft, (B,)), (out_walk, (B,)), (out_parents, (B,)), (out_depths, (W,)),
+              (out_bits, (W, NW)), (out_chain, (D,))]
+    for out, tail in wanted:
+        if out.dim() != 1 + len(tail) or tuple(out.shape[1:]) != tail or out.shape[0] < R:
+            raise ValueError(f"store_trees: an output of shape {tuple(out.shape)} is not "
+                             f"[>={R}, {', '.join(map(str, tail))}]")
+
+
+def store_trees_torch(
+    token_ids: torch.Tensor,  # [R, B] int64
+    parents: torch.Tensor,  # [R, B] int64
+    depths: torch.Tensor,  # [R, B] int64
+    bad: torch.Tensor,  # [R] bool
+    top1: torch.Tensor,  # [R, D] int64
+    out_draft_tokens: torch.Tensor,  # [>=R, B] int64 or int32
+    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
+    out_parents: torch.Tensor,  # [>=R, B] int64
+    out_depths: torch.Tensor,  # [>=R, B + 1] int64
+    out_bits: torch.Tensor,  # [>=R, B + 1, NW] int32
+    out_chain: torch.Tensor,  # [>=R, D] int64
+) -> None:
+    """Reference of :func:`store_trees`: the core's functions on a copy of the trees.
+    The inputs are not modified."""
+    R, B = token_ids.shape
+    D = top1.shape[1]
+    dev = token_ids.device
+    tree = DraftTree(token_ids.clone(), parents.clone(), depths.clone(),
+                     num_nodes=(token_ids >= 0).sum(dim=1),
+                     scores=torch.zeros((R, B), dtype=torch.float32, device=dev),
+                     max_depth=D)
+    # draft logits that are non-finite exactly in the bad requests
+    logits = torch.zeros((R, 1, 1), dtype=torch.float32, device=dev)
+    drop_nonfinite(tree, logits.masked_fill(bad.view(R, 1, 1), float("nan")))
+    layout = tree_layout(tree, torch.zeros(R, dtype=torch.int64, device=dev))
+    out_draft_tokens[:R].copy_(tree.token_ids.clamp(min=0))
+    out_walk_tokens[:R].copy_(tree.token_ids)
+    out_parents[:R].copy_(tree.parents.clamp(min=0))
+    out_depths[:R].copy_(layout.depths)
+    out_bits[:R].copy_(layout.ancestor_bits)
+    out_chain[:R].copy_(top1.masked_fill(bad.unsqueeze(1), -1))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _store_trees_kernel(
+        TOK, PAR, DEP, BAD, TOP1,
+        OUT_DRAFT, OUT_WALK, OUT_PAR, OUT_DEP, OUT_BITS, OUT_CHAIN,
+        s_tok, s_par, s_dep, s_top1, s_top1_d, s_draft, s_walk, s_opar, s_odep, s_bits_r, s_bits_w,
+        s_chain,
+        B: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NW: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        good = tl.load(BAD + r) == 0
+        n_live = tl.where(good, B, 0)  # slots read from the inputs (a bad tree is empty)
+        par_row = PAR + r * s_par
+
+        # nodes: tokens and parents
+        j = tl.arange(0, BLOCK_B)
+        jm = j < B
+        keep = j < n_live
+        tok = tl.load(TOK + r * s_tok + j, mask=keep, other=-1)
+        par = tl.load(par_row + j, mask=keep, other=-1)
+        tl.store(OUT_DRAFT + r * s_draft + j,
+                 tl.maximum(tok, 0).to(OUT_DRAFT.dtype.element_ty), mask=jm)
+        tl.store(OUT_WALK + r * s_walk + j, tok, mask=jm)
+        tl.store(OUT_PAR + r * s_opar + j, tl.maximum(par, 0), mask=jm)
+
+        # verify rows: row 0 is the root (depth 0, no parent), row i >= 1 is node i - 1
+        i = tl.arange(0, BLOCK_W)
+        im = i < B + 1
+        node = (i >= 1) & (i < n_live + 1)
+        dep = tl.load(DEP + r * s_dep + i - 1, mask=node, other=0)
+        tl.store(OUT_DEP + r * s_odep + i, dep, mask=im)
+
+        # ancestor-or-self bits: each row's own bit, then its parent chain up to the root
+        # (a row at depth d has d ancestors; unused rows, parent -1, only themselves)
+        w = tl.arange(0, BLOCK_NW)
+        own = (i // 32)[:, None] == w[None, :]
+        one = tl.full([BLOCK_W, BLOCK_NW], 1, tl.int64)
+        bits = tl.where(own, one << (i % 32).to(tl.int64)[:, None], 0)
+        anc = tl.load(par_row + i - 1, mask=node, other=-1).to(tl.int64)
+        # (a chain of B nodes is the deepest tree: the bound only guards malformed input)
+        for _ in range(tl.minimum(tl.max(dep, axis=0), B)):
+            a = tl.maximum(anc, 0)
+            hit = (anc >= 0)[:, None] & ((a // 32)[:, None] == w[None, :])
+            bits = bits | tl.where(hit, one << (a % 32)[:, None], 0)
+            # the root (row 0) ends the chain
+            anc = tl.load(par_row + anc - 1, mask=anc >= 1, other=-1).to(tl.int64)
+        # int32 words, bit 31 as the sign bit
+        bits = tl.where(bits >= 2147483648, bits - 4294967296, bits).to(tl.int32)
+        tl.store(OUT_BITS + r * s_bits_r + i[:, None] * s_bits_w + w[None, :], bits,
+                 mask=im[:, None] & (w < NW)[None, :])
+
+        # the chain fallback: top-1 per depth, -1 for a bad request
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        t1 = tl.load(TOP1 + r * s_top1 + d * s_top1_d, mask=dm, other=-1)
+        tl.store(OUT_CHAIN + r * s_chain + d, tl.where(good, t1, -1), mask=dm)
+
+
+def store_trees(
+    token_ids: torch.Tensor,  # [R, B] int64 tree node tokens, -1 in unused slots
+    parents: torch.Tensor,  # [R, B] int64 parent verify row (0 = root, k+1 = node k), -1 unused
+    depths: torch.Tensor,  # [R, B] int64 node depth 1..D, 0 unused
+    bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
+    top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
+    out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
+    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
+    out_parents: torch.Tensor,  # [>=R, B] int64
+    out_depths: torch.Tensor,  # [>=R, W] int64, W = B + 1
+    out_bits: torch.Tensor,  # [>=R, W, NW] int32, NW = ceil(W / 32)
+    out_chain: torch.Tensor,  # [>=R, D] int64
+    impl: str = "auto",  # "triton", "torch" (the reference) or "auto" (Triton on CUDA tensors)
+) -> None:
+    """Write rows ``0..R`` of the outputs (later rows are untouched):
+
+    * a request with ``bad[r]`` gets an empty tree (every slot unused) and chain row -1;
+    * ``out_draft_tokens = token_ids.clamp(min=0)``, ``out_walk_tokens = token_ids``,
+      ``out_parents = parents.clamp(min=0)``;
+    * ``out_depths = [0, depths...]`` and ``out_bits`` the ancestor-or-self bits of every
+      verify row (:func:`~vllm_ddtree.tree.tree_layout`);
+    * ``out_chain = top1``, -1 in bad requests.
+
+    Nodes must be best-first (a node's parent row comes before it).  Graph-capturable:
+    no host sync, no allocation on the Triton path.  The inputs are not modified.
+    """
+    outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
+    _check_shapes(token_ids, parents, depths, bad, top1, outs)
+    R, B = token_ids.shape
+    D = top1.shape[1]
+    if R == 0:
+        return
+    if not _use_triton(impl, token_ids):
+        return store_trees_torch(token_ids, parents, depths, bad, top1, *outs)
+    for t in (token_ids, parents, depths, *outs):  # top1 may be strided (a view)
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError("store_trees: the last dim of every tensor must be contiguous")
+    W = B + 1
+    NW = (W + 31) // 32
+    bad_u8 = bad.view(torch.uint8) if bad.dtype == torch.bool else bad  # a view, no copy
+    block_w = max(16, triton.next_power_of_2(W))
+    block_nw = triton.next_power_of_2(NW)
+    _store_trees_kernel[(R,)](
+        token_ids, parents, depths, bad_u8, top1,
+        out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain,
+        token_ids.stride(0), parents.stride(0), depths.stride(0), top1.stride(0),
+        top1.stride(1),
+        out_draft_tokens.stride(0), out_walk_tokens.stride(0), out_parents.stride(0),
+        out_depths.stride(0), out_bits.stride(0), out_bits.stride(1), out_chain.stride(0),
+        B=B, D=D, NW=NW,
+        BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_W=block_w, BLOCK_NW=block_nw,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_warps=4 if block_w * block_nw <= 2048 else 8)
