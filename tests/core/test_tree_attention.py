@@ -183,3 +183,143 @@ def test_triton_merge_into_prefix_output_and_row_subset(dtype, tol):
     assert torch.all(out2[:a] == 3.0)
     ref_sub, _ = tree_attention_torch(**args, query_end=qe)
     assert torch.all(ref_sub[:a] == 0) and torch.allclose(ref_sub[a:b].float(), full[a:b].float())
+
+
+def _ragged_case(seed, rows, prefix, budget, Hq, Hkv, hd, dtype, bs=16, pad_rows=3):
+    """Requests with ``rows[r]`` verify rows (the first rows of a budget-``budget`` tree)
+    after ``prefix[r]`` context tokens, packed back to back, then ``pad_rows`` rows of
+    no request; a paged cache of ``bs``-token blocks under a shuffled block table."""
+    g = torch.Generator().manual_seed(seed)
+    R = len(rows)
+    tree = build_tree(torch.randn(R, 5, 11, generator=g), budget)
+    lay = tree_layout(tree, torch.zeros(R, dtype=torch.long))
+    words = lay.ancestor_bits.shape[-1]
+    anc = torch.cat([lay.ancestor_bits[r, :n] for r, n in enumerate(rows)]
+                    + [torch.zeros(pad_rows, words, dtype=torch.int32)]).contiguous()
+    qs = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
+    per_req_blocks = max(-(-(p + n) // bs) for p, n in zip(prefix, rows))
+    nblocks = R * per_req_blocks + 5
+    perm = torch.randperm(nblocks, generator=g)[: R * per_req_blocks]
+    T = int(qs[-1]) + pad_rows
+    return dict(
+        q=torch.randn(T, Hq, hd, generator=g).to(dtype),
+        k_cache=torch.randn(nblocks, bs, Hkv, hd, generator=g).to(dtype),
+        v_cache=torch.randn(nblocks, bs, Hkv, hd, generator=g).to(dtype),
+        block_table=perm.view(R, per_req_blocks).to(torch.int32), query_start=qs,
+        prefix_lens=torch.tensor(prefix, dtype=torch.int32), ancestor_bits=anc)
+
+
+# (budget, rows per request, prefix per request): max_rows 16 (budget 15), 64 (budget 63,
+# two bit words), 5 (budget 4); ragged row counts, prefixes across and on block edges
+_SHAPES = {
+    "b15": (15, [16, 9, 1, 16], [37, 0, 16, 5]),
+    "b63": (63, [64, 40, 17], [3, 0, 50]),
+    "b4": (4, [5, 3, 5], [21, 0, 32]),
+}
+
+
+def _check_rows(got, ref, rows, tol):
+    torch.testing.assert_close(got[rows].float(), ref[rows].float(), atol=tol, rtol=tol)
+
+
+@needs_interp
+@pytest.mark.parametrize("shape", list(_SHAPES))
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2), (8, 2), (8, 1), (6, 2)])  # GROUP 1,2,4,8,3
+@pytest.mark.parametrize("mode", ["merge", "prefix", "tree"])
+def test_triton_grouped_heads_ragged_requests(shape, Hq, Hkv, mode):
+    """All query heads of a KV head in one program, against the reference, for every
+    launch mode: ``merge`` (tree keys merged into a prefix result whose ``[H, T]`` LSE
+    view has -inf / +inf "no prefix keys" entries; NaN garbage there), ``prefix``
+    (``include_prefix`` over a row subset given by ``query_end``), ``tree`` (tree keys
+    only, with the LSE)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    budget, rows, prefix = _SHAPES[shape]
+    args = _ragged_case(4, rows, prefix, budget, Hq, Hkv, 32, torch.float32)
+    args = {k: v.to(dev) for k, v in args.items()}
+    qs = args["query_start"].tolist()
+    T, max_rows, tol = args["q"].shape[0], budget + 1, 1e-4
+    inside = torch.zeros(T, dtype=torch.bool, device=dev)
+    inside[: qs[-1]] = True
+    if mode == "merge":
+        full, _ = tree_attention_torch(**args)
+        no_tree = torch.zeros_like(args["ancestor_bits"])
+        pre, lse_p = tree_attention_torch(**dict(args, ancestor_bits=no_tree))
+        lse_wide = torch.zeros(Hq, T + 7, device=dev)  # a strided [H, T] view
+        lse_hT = lse_wide[:, :T]
+        lse_hT.copy_(lse_p.transpose(0, 1))
+        assert torch.isneginf(lse_hT[:, qs[1]:qs[2]]).all()  # request 1: no prefix
+        lse_hT[:, qs[2]:qs[3]] = float("inf")  # FA's "empty" marker, a request with keys
+        out = pre.clone()
+        out[qs[1]:qs[3]] = float("nan")
+        out[qs[-1]:] = 5.0  # rows of no request: untouched
+        tree_only, _ = tree_attention_torch(**args, include_prefix=False)
+        ref_full = full.clone()
+        ref_full[qs[2]:qs[3]] = tree_only[qs[2]:qs[3]]  # +inf: the prefix part is dropped
+        tree_attention_triton(**args, include_prefix=False, max_rows=max_rows, out=out,
+                              prefix_out_lse=lse_hT, return_lse=False)
+        _check_rows(out, ref_full, inside, tol)
+        assert torch.all(out[qs[-1]:] == 5.0)
+    elif mode == "prefix":
+        qe = torch.tensor(qs[1:], dtype=torch.int32)
+        qe[0] = qs[0] + rows[0] // 2  # half of request 0
+        qe[1] = qs[1]  # none of request 1
+        qe = qe.to(dev)
+        out = torch.full_like(args["q"], 3.0)
+        _, lse = tree_attention_triton(**args, max_rows=max_rows, query_end=qe, out=out)
+        ref, ref_lse = tree_attention_torch(**args, query_end=qe)
+        sel = torch.zeros(T, dtype=torch.bool, device=dev)
+        for a, b in zip(qs[:-1], qe.tolist()):
+            sel[a:b] = True
+        _check_rows(out, ref, sel, tol)
+        _check_rows(lse, ref_lse, sel, 1e-4)
+        assert torch.all(out[~sel] == 3.0)
+    else:
+        out, lse = tree_attention_triton(**args, include_prefix=False, max_rows=max_rows)
+        ref, ref_lse = tree_attention_torch(**args, include_prefix=False)
+        _check_rows(out, ref, inside, tol)
+        _check_rows(lse, ref_lse, inside, 1e-4)
+
+
+@needs_interp
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hd,Hq,Hkv,shape,block_m,block_n", [
+    (128, 8, 2, "b15", None, None),  # Qwen3-8B's group (4) and head size
+    (256, 16, 2, "b15", None, None),  # group 8 at head size 256: two row blocks
+    (64, 4, 1, "b63", None, None),
+    (32, 6, 2, "b15", 5, 16),  # 5 rows a program (a 15-row tile), 16-key tiles
+    (32, 8, 2, "b63", None, 16),  # four row blocks, four key tiles
+])
+@pytest.mark.parametrize("include_prefix", [True, False])
+def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, include_prefix):
+    """Production head sizes and explicit tilings (rows per program not a power of two,
+    several key tiles over the tree) in both key ranges, bf16 and fp32."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    budget, rows, prefix = _SHAPES[shape]
+    args = _ragged_case(5, rows, prefix, budget, Hq, Hkv, hd, dtype)
+    args = {k: v.to(dev) for k, v in args.items()}
+    inside = torch.zeros(args["q"].shape[0], dtype=torch.bool, device=dev)
+    inside[: int(args["query_start"][-1])] = True
+    out, lse = tree_attention_triton(**args, include_prefix=include_prefix,
+                                     max_rows=budget + 1, block_m=block_m, block_n=block_n)
+    ref, ref_lse = tree_attention_torch(**args, include_prefix=include_prefix)
+    _check_rows(out, ref, inside, tol)
+    _check_rows(lse, ref_lse, inside, 1e-4)
+
+
+@pytest.mark.parametrize("max_rows", [1, 5, 16, 64, 100])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("hd", [16, 64, 128, 256])
+@pytest.mark.parametrize("include_prefix", [True, False])
+def test_tiling_choice(max_rows, group, hd, include_prefix):
+    from vllm_ddtree.kernels.tree_attention import tree_attn_tiling
+
+    block_m, tile_m, block_n, num_warps = tree_attn_tiling(max_rows, group, hd,
+                                                           include_prefix)
+    assert 1 <= block_m <= max_rows and tile_m >= max(16, block_m * group)
+    assert tile_m & (tile_m - 1) == 0 and block_n & (block_n - 1) == 0
+    assert tile_m * hd <= 128 * 128 or block_m == 1  # the fp32 accumulator's size
+    assert 16 <= block_n <= 64 and num_warps in (4, 8)
+    if not include_prefix:  # a tree of <= 16 rows: one program, one key tile per KV head
+        assert block_n >= min(max_rows, 64, 8192 // hd)
+        if max_rows <= 16 and group * max_rows <= min(128, 16384 // hd):
+            assert block_m == max_rows

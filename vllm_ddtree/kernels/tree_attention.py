@@ -11,6 +11,12 @@ prefix attention computed elsewhere (:func:`merge_attn_states`).
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's
 FlashAttention layout), ``block_table [R, max_blocks]``.
+
+The Triton kernel runs one program per (request, block of ``BLOCK_M`` query rows, KV
+head): the block's rows of all ``Hq // Hkv`` query heads sharing the KV head form one
+tile (row-major: a query row's heads are adjacent), so each K/V tile is read once per KV
+head.  Keys are the whole cache range with ``include_prefix``, else only the request's
+verify rows (usually one key tile).
 """
 
 from __future__ import annotations
@@ -108,14 +114,17 @@ if HAS_TRITON:
         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, s_anc,
         s_lt, s_lh, s_it, s_ih,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INCLUDE_PREFIX: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr, HAS_QE: tl.constexpr,
-        MERGE: tl.constexpr, STORE_LSE: tl.constexpr,
+        BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        INCLUDE_PREFIX: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_QE: tl.constexpr, MERGE: tl.constexpr, STORE_LSE: tl.constexpr,
     ):
+        # One program: query rows mb * BLOCK_M .. + BLOCK_M of request r for the GROUP
+        # query heads of KV head kvh, as one [TILE_M, HEAD_DIM] tile (tile row i = query
+        # row i // GROUP, head kvh * GROUP + i % GROUP; rows past BLOCK_M * GROUP pad the
+        # tile to a power of two), so each K/V tile is loaded once for all of them.
         r = tl.program_id(0)
         mb = tl.program_id(1)
-        h = tl.program_id(2)
-        kvh = h // GROUP
+        kvh = tl.program_id(2)
         q0 = tl.load(QS + r)
         if HAS_QE:
             n_rows = tl.load(QE + r) - q0
@@ -124,10 +133,13 @@ if HAS_TRITON:
         if mb * BLOCK_M >= n_rows:
             return
         prefix = tl.load(PL + r)
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_i = tl.arange(0, TILE_M)
+        offs_m = mb * BLOCK_M + offs_i // GROUP  # query row (within the request)
+        head = kvh * GROUP + offs_i % GROUP
         offs_d = tl.arange(0, HEAD_DIM)
-        m_ok = offs_m < n_rows
-        q = tl.load(Q + (q0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
+        m_ok = (offs_i < BLOCK_M * GROUP) & (offs_m < n_rows)
+        tok = q0 + offs_m
+        q = tl.load(Q + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                     mask=m_ok[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
@@ -135,29 +147,31 @@ if HAS_TRITON:
             # Continue the online softmax from a partial result over the prefix
             # (FlashAttention's output and log-sum-exp; an empty or non-finite LSE
             # means "no prefix keys").
-            lse0 = tl.load(LSE_IN + (q0 + offs_m) * s_it + h * s_ih, mask=m_ok,
+            lse0 = tl.load(LSE_IN + tok * s_it + head * s_ih, mask=m_ok,
                            other=float("-inf"))
             has = (lse0 > float("-inf")) & (lse0 < float("inf"))
-            o0 = tl.load(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+            o0 = tl.load(OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
                          mask=m_ok[:, None] & has[:, None], other=0.0).to(tl.float32)
             m_i = tl.where(has, lse0, float("-inf"))
             l_i = tl.where(has, 1.0, 0.0)
             acc = tl.where(has[:, None], o0, 0.0)
         else:
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            m_i = tl.full([TILE_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([TILE_M], tl.float32)
+            acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
         start = 0 if INCLUDE_PREFIX else prefix
         end = prefix + n_rows
         for k0 in range(start, end, BLOCK_N):
             offs_n = k0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < end
+            # 64-bit block offsets: one layer's cache may exceed 2**31 elements
             blk = tl.load(BT + r * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+            blk = blk.to(tl.int64)
             slot = offs_n % BLOCK_SIZE
-            k = tl.load(K + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh
-                        + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-            v = tl.load(V + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh
-                        + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            k_off = blk * s_kb + slot * s_ks + kvh * s_kh  # [BLOCK_N]
+            v_off = blk * s_vb + slot * s_vs + kvh * s_vh
+            k = tl.load(K + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -169,8 +183,14 @@ if HAS_TRITON:
             t = offs_n - prefix  # verify row of the key (negative in the prefix)
             in_tree = t >= 0
             tt = tl.where(in_tree, t, 0)
-            words = tl.load(ANC + (q0 + offs_m)[:, None] * s_anc + (tt // 32)[None, :],
-                            mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)
+            # ancestor bits are per query row (the GROUP heads of a row share them)
+            if INCLUDE_PREFIX or BLOCK_N > 32:
+                words = tl.load(ANC + tok[:, None] * s_anc + (tt // 32)[None, :],
+                                mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)
+            else:
+                # key tiles start at verify row 0 and BLOCK_N divides 32: one word a row
+                words = tl.load(ANC + tok * s_anc + (k0 - prefix) // 32, mask=m_ok,
+                                other=0)[:, None]
             bit = (words >> (tt % 32)[None, :]) & 1
             vis = bit != 0
             if INCLUDE_PREFIX:
@@ -190,10 +210,49 @@ if HAS_TRITON:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
-        tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+        # (the [TILE_M, HEAD_DIM] pointers are rebuilt here, not kept live over the loop)
+        tl.store(OUT + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=m_ok[:, None])
         if STORE_LSE:
-            tl.store(LSE + (q0 + offs_m) * s_lt + h * s_lh, lse, mask=m_ok)
+            tl.store(LSE + tok * s_lt + head * s_lh, lse, mask=m_ok)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def tree_attn_tiling(
+    max_rows: int,
+    group: int,
+    head_dim: int,
+    include_prefix: bool,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, TILE_M, BLOCK_N, num_warps)`` of one :func:`tree_attention_triton`
+    launch: ``BLOCK_M`` query rows of ``group`` heads per program, padded to a
+    ``TILE_M``-row tile (a power of two, at least 16 for ``tl.dot``), keys in tiles of
+    ``BLOCK_N``.  Derived from ``max_rows`` (fixed per budget), never from a step's
+    token count, so serving compiles one variant per mode."""
+    # The fp32 accumulator is TILE_M x head_dim: at most 128 x 128 (64 KiB, 64 registers
+    # a thread over 8 warps), i.e. 128 rows for head_dim <= 128 and 64 for 256.
+    max_tile = max(16, min(128, 16384 // head_dim))
+    if block_m is None:
+        # a 16-row block holds a whole budget-15 tree; narrower trees shrink the tile
+        block_m = max(1, min(max_rows, 16, max_tile // group))
+    tile_m = max(16, _next_pow2(block_m * group))
+    if block_n is None:
+        if include_prefix:
+            block_n = 32  # the prefix is long: FlashAttention-like tiles
+        else:
+            # only the request's own rows are keys: one tile of them when they fit
+            # (K + V of a tile stay <= 32 KiB a pipeline stage)
+            block_n = min(64, 8192 // head_dim, max(16, _next_pow2(max_rows)))
+    # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
+    # 160..210 registers a thread); wider rows, longer rows or wider key tiles spill
+    # there and take 8
+    num_warps = 8 if tile_m * (head_dim + block_n) > 64 * (128 + 32) else 4
+    return block_m, tile_m, block_n, num_warps
 
 
 def tree_attention_triton(
@@ -207,8 +266,8 @@ def tree_attention_triton(
     scale: float | None = None,
     include_prefix: bool = True,
     max_rows: int | None = None,
-    block_m: int = 16,
-    block_n: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
     *,
     query_end: torch.Tensor | None = None,  # [R] end of each request's rows
     out: torch.Tensor | None = None,  # [T, Hq, hd]
@@ -226,6 +285,8 @@ def tree_attention_triton(
       of a prefix attention already stored in ``out``; the tree keys are merged into it
       (use with ``include_prefix=False``).  A non-finite entry means "no prefix keys".
     * ``return_lse=False`` skips writing the log-sum-exp (returns ``(out, None)``).
+    * ``block_m`` (query rows per program, any positive number) and ``block_n`` (keys
+      per tile, a power of two >= 16) override :func:`tree_attn_tiling`'s choice.
     """
     if not HAS_TRITON:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -247,9 +308,13 @@ def tree_attention_triton(
         return out, lse
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert out.stride(2) == 1
+    assert Hq % Hkv == 0, (Hq, Hkv)
+    group = Hq // Hkv
+    block_m, tile_m, block_n, num_warps = tree_attn_tiling(
+        max_rows, group, hd, include_prefix, block_m, block_n)
     lse_arg = lse if lse is not None else out
     lse_in = prefix_out_lse if merge else out
-    grid = (R, triton.cdiv(max_rows, block_m), Hq)
+    grid = (R, triton.cdiv(max_rows, block_m), Hkv)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, out, lse_arg, block_table, query_start,
         query_end if query_end is not None else query_start, prefix_lens, ancestor_bits,
@@ -259,10 +324,11 @@ def tree_attention_triton(
         block_table.stride(0), ancestor_bits.stride(0),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         prefix_out_lse.stride(1) if merge else 0, prefix_out_lse.stride(0) if merge else 0,
-        GROUP=Hq // Hkv, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
-        BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
+        GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
+        TILE_M=tile_m, BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         HAS_QE=query_end is not None, MERGE=merge, STORE_LSE=lse is not None,
+        num_warps=num_warps,
     )
     return out, lse
