@@ -69,10 +69,7 @@ targets and prints the paths.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -207,34 +204,17 @@ def write_dspark_drafter(root: str | Path, variant: str = "random", dtype: str =
                          f"{fx.KV_HEADS} KV heads")
     if draft_vocab_size is not None:
         draft_token_ids(draft_vocab_size)  # validates the size
-    root = Path(root)
     name = f"spark-{variant}-{dtype}-r{markov_rank}"
     name += f"-v{draft_vocab_size}" if draft_vocab_size is not None else ""
     name += f"-h{heads}" if heads != 4 else ""
-    final = root / name
-    marker = final / ".complete"
-    if marker.is_file() and marker.read_text() == _marker_text():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         sd = make_dspark_weights(variant, markov_rank, draft_vocab_size, heads)
         _save(sd, tmp / "model.safetensors", fx.DTYPES[dtype])
         fx._write_json(tmp / "config.json",
                        dspark_config(dtype, markov_rank, draft_vocab_size, heads))
-        (tmp / ".complete").write_text(_marker_text())
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700, safetensors 0600 files
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same folder first
-            if not (marker.is_file() and marker.read_text() == _marker_text()):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    final = fx.write_once(Path(root) / name, _marker_text(), write)
     return final
 
 

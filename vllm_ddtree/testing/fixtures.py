@@ -47,6 +47,7 @@ import shutil
 import sys
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -289,6 +290,33 @@ def _save(weights: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> N
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
+def write_once(final: Path, stamp: str, write: Callable[[Path], None]) -> Path:
+    """A fixture folder written once: ``write`` fills a temporary folder beside
+    ``final``, which then replaces ``final`` (atomically) with a ``.complete`` marker
+    holding ``stamp``.  A folder whose marker holds ``stamp`` is reused as is; anything
+    else there is rewritten.  Concurrent writers (test workers) are safe."""
+    marker = final / ".complete"
+    if marker.is_file() and marker.read_text() == stamp:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        write(tmp)
+        (tmp / ".complete").write_text(stamp)
+        for path in [tmp, *tmp.rglob("*")]:  # mkdtemp makes 0700, safetensors 0600 files
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished the same folder first
+            if not (marker.is_file() and marker.read_text() == stamp):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "float32",
                    heads: int | None = None) -> tuple[Path, Path]:
     """Write (once) and return ``(target_dir, drafter_dir)`` under ``root/<variant>-<dtype>``
@@ -308,15 +336,9 @@ def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "floa
         # grouped-query attention: every KV head serves the same number of query heads
         raise ValueError(f"heads={heads}: a fixture needs a positive multiple of its "
                          f"{KV_HEADS} KV heads")
-    root = Path(root)
-    final = root / (f"{variant}-{dtype}" + (f"-h{heads}" if heads != 4 else ""))
-    marker = final / ".complete"
-    pair = (final / "target", final / "drafter")
-    if marker.is_file() and marker.read_text() == FIXTURE_VERSION:
-        return pair
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{variant}-{dtype}.", dir=root))
-    try:
+    final = Path(root) / (f"{variant}-{dtype}" + (f"-h{heads}" if heads != 4 else ""))
+
+    def write(tmp: Path) -> None:
         tw, dw = make_weights(variant, heads)
         t_dir, d_dir = tmp / "target", tmp / "drafter"
         t_dir.mkdir()
@@ -326,21 +348,9 @@ def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "floa
         write_tokenizer(t_dir)
         _save(dw, d_dir / "model.safetensors", DTYPES[dtype])
         _write_json(d_dir / "config.json", drafter_config(dtype, heads))
-        (tmp / ".complete").write_text(FIXTURE_VERSION)
-        for p in [tmp, t_dir, d_dir]:
-            os.chmod(p, 0o755)  # mkdtemp makes 0700, safetensors 0600 files
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                os.chmod(p, 0o644)
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same pair first
-            if not (marker.is_file() and marker.read_text() == FIXTURE_VERSION):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_once(final, FIXTURE_VERSION, write)
+    pair = (final / "target", final / "drafter")
     return pair
 
 
