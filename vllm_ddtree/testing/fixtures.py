@@ -350,8 +350,7 @@ def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "floa
         _write_json(d_dir / "config.json", drafter_config(dtype, heads))
 
     write_once(final, FIXTURE_VERSION, write)
-    pair = (final / "target", final / "drafter")
-    return pair
+    return final / "target", final / "drafter"
 
 
 def main(argv: list[str] | None = None) -> int:
