@@ -166,15 +166,6 @@ def dspark_config(dtype: str = "float32", markov_rank: int = 8,
 
 
 # ---------------------------------------------------------------- writing ------------
-def _save(weights: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
-    """Like fixtures._save, but integer and bool tables keep their dtype."""
-    from safetensors.torch import save_file
-
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
-          for k, v in sorted(weights.items())}
-    save_file(sd, str(path), metadata={"format": "pt"})
-
-
 def _marker_text() -> str:
     # the backbone and paired target come from fixtures.py: its version counts too
     return f"{DSPARK_FIXTURE_VERSION}+{fx.FIXTURE_VERSION}"
@@ -210,7 +201,7 @@ def write_dspark_drafter(root: str | Path, variant: str = "random", dtype: str =
 
     def write(tmp: Path) -> None:
         sd = make_dspark_weights(variant, markov_rank, draft_vocab_size, heads)
-        _save(sd, tmp / "model.safetensors", fx.DTYPES[dtype])
+        fx._save(sd, tmp / "model.safetensors", fx.DTYPES[dtype])
         fx._write_json(tmp / "config.json",
                        dspark_config(dtype, markov_rank, draft_vocab_size, heads))
 

@@ -284,9 +284,11 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def _save(weights: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    """Floating-point weights in ``dtype``; integer and bool tables keep theirs."""
     from safetensors.torch import save_file
 
-    sd = {k: weights[k].to(dtype).contiguous() for k in sorted(weights)}
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+          for k, v in sorted(weights.items())}
     save_file(sd, str(path), metadata={"format": "pt"})
 
 
