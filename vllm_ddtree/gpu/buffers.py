@@ -27,7 +27,7 @@ import torch
 
 from vllm_ddtree.gpu.tree_store import store_trees
 from vllm_ddtree.gpu.verify_rows import causal_words, fill_tree_rows, use_triton, walk_verify
-from vllm_ddtree.tree import DraftTree, walk_tree
+from vllm_ddtree.tree import DraftTree, nonfinite_requests, walk_tree
 
 
 @dataclass
@@ -102,8 +102,7 @@ class TreeBuffers:
         (bonus token only) and are counted in ``num_nonfinite``; returns their mask.
         The drafter's chain and the NaN/inf mask are the tree build's by-products
         (``tree.top1``, ``tree.nonfinite``), else read from ``draft_logits``."""
-        bad = (tree.nonfinite if tree.nonfinite is not None
-               else ~torch.isfinite(draft_logits).flatten(1).all(dim=1))
+        bad = nonfinite_requests(tree, draft_logits)
         top1 = tree.top1 if tree.top1 is not None else draft_logits.argmax(dim=-1)
         self.num_nonfinite.add_(bad.sum())
         store_trees(tree.token_ids, tree.parents, tree.depths, bad, top1, draft_tokens,

@@ -3,7 +3,7 @@
 Imports nothing from vLLM.
 """
 
-from .build import DraftTree, build_tree, drop_nonfinite
+from .build import DraftTree, build_tree, drop_nonfinite, nonfinite_requests
 from .conditioned import build_conditioned_tree
 from .layout import CompactionPlan, TreeLayout, compaction_plan, tree_layout
 from .walk import walk_tree
@@ -13,6 +13,7 @@ __all__ = [
     "DraftTree",
     "build_tree",
     "drop_nonfinite",
+    "nonfinite_requests",
     # drafters whose children depend on their parent (a DSpark Markov head)
     "build_conditioned_tree",
     # verifying: the walk along the target's tokens

@@ -102,6 +102,17 @@ class DraftTree:
                          self.top1, self.nonfinite)
 
 
+def nonfinite_requests(
+    tree: DraftTree,
+    draft_logits: torch.Tensor,  # [R, D, V]
+) -> torch.Tensor:  # [R] bool
+    """Requests whose draft logits hold a NaN or an inf: the build's own flag
+    (``tree.nonfinite``, no second pass over the logits) where it kept one."""
+    if tree.nonfinite is not None:
+        return tree.nonfinite
+    return ~torch.isfinite(draft_logits).flatten(1).all(dim=1)
+
+
 def drop_nonfinite(
     tree: DraftTree,
     draft_logits: torch.Tensor,  # [R, D, V]
@@ -111,11 +122,9 @@ def drop_nonfinite(
 
     :func:`build_tree` itself ranks such entries (NaN last, +inf first); this is the
     runners' policy on top of it.  In place, graph-capturable, no host sync.  Returns
-    the bool mask ``[R]`` of emptied requests (the tree's ``nonfinite`` where the build
-    kept it: no second pass over the logits).
+    the bool mask ``[R]`` of emptied requests (:func:`nonfinite_requests`).
     """
-    bad = (tree.nonfinite if tree.nonfinite is not None
-           else ~torch.isfinite(draft_logits).flatten(1).all(dim=1))
+    bad = nonfinite_requests(tree, draft_logits)
     rows = bad.unsqueeze(1)
     tree.token_ids.masked_fill_(rows, -1)
     tree.parents.masked_fill_(rows, -1)
