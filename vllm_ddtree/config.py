@@ -68,8 +68,13 @@ from dataclasses import dataclass
 from typing import Any
 
 METHOD = "ddtree"
-#: vLLM method the DDTree config is mapped to.
+#: vLLM method the DDTree config is mapped to, by drafter family.
 BASE_METHOD = "dflash"
+DSPARK_METHOD = "dspark"
+BASE_METHODS = (BASE_METHOD, DSPARK_METHOD)
+#: DSpark checkpoints DDTree drafts with (vLLM 0.26+ loads them as
+#: ``Qwen3DSparkForCausalLM``).
+DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
 
 MARKER_FIELD = "ddtree_enabled"
 DEPTH_FIELD = "ddtree_depth"
@@ -495,24 +500,68 @@ def check_drafter_types(drafter: dict[str, Any], where: str) -> None:
                 "list of integers >= 0.")
 
 
-def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> int:
-    """Validate a DFlash drafter config against the target; returns its block_size."""
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What DDTree reads from a drafter's ``config.json``."""
+
+    method: str  # vLLM's method for the drafter family: BASE_METHOD or DSPARK_METHOD
+    block_size: int
+    max_depth: int  # positions one drafter pass drafts
+    min_depth: int = 1  # fewer positions than a DSpark checkpoint's block garble its drafts
+
+
+def is_dspark_drafter(drafter: dict[str, Any]) -> bool:
+    """vLLM's own test for a DSpark checkpoint, from its config: a DSpark architecture
+    (the Markov head's ``markov_rank`` marks one too)."""
+    archs = drafter.get("architectures") or []
+    return any("DSpark" in str(a) for a in archs) or "markov_rank" in drafter
+
+
+def _check_dspark_fields(drafter: dict[str, Any], where: str) -> int | None:
+    """DSpark-only checks; returns the checkpoint's ``dspark_block_size`` (or None)."""
+    archs = drafter.get("architectures") or []
+    if not any(a in DSPARK_ARCHITECTURES for a in archs):
+        raise DDTreeConfigError(
+            f"{where} is a DSpark drafter with architectures={archs!r}: method='ddtree' "
+            f"drafts with {sorted(DSPARK_ARCHITECTURES)} checkpoints. Serve this one with "
+            "method='dspark' (vLLM's chain).")
+    rank = drafter.get("markov_rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise DDTreeConfigError(
+            f"{where}: a DSpark drafter needs an integer markov_rank >= 1 in config.json, "
+            f"got {rank!r}.")
+    # vLLM 0.26 reads the 1 + N fill-in block from dspark_bonus_anchor, 0.32+ from
+    # sample_from_anchor=false
+    fill_in = {"dspark_bonus_anchor": True, "sample_from_anchor": False}
+    for key, value in fill_in.items():
+        if drafter.get(key) is value:
+            raise DDTreeConfigError(
+                f"{where} has {key}={str(value).lower()} (the 1 + N fill-in block): "
+                "method='ddtree' drafts with DSpark's anchor-as-first layout only. "
+                "Serve this checkpoint with method='dspark'.")
+    block = drafter.get("dspark_block_size")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                              or block < 1):
+        raise DDTreeConfigError(
+            f"{where} has dspark_block_size={block!r}: it must be an integer >= 1.")
+    return block
+
+
+def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> DrafterInfo:
+    """Validate a DFlash or DSpark drafter config against the target."""
     where = f"speculative_config.model={model!r}"
     check_drafter_types(drafter, f"{where}: config.json")
     archs = drafter.get("architectures") or []
-    if any("DSpark" in str(a) for a in archs) or "markov_rank" in drafter:
-        raise DDTreeConfigError(
-            f"{where} is a DSpark drafter (architectures={archs!r}): method='ddtree' "
-            "does not draft with DSpark checkpoints yet. Serve it with method='dspark' "
-            "(vLLM's chain), or use a DFlash drafter for this target with 'ddtree'."
-        )
-    if not any(
+    dspark = is_dspark_drafter(drafter)
+    dspark_block = _check_dspark_fields(drafter, where) if dspark else None
+    if not dspark and not any(
         str(a).startswith("DFlash") or a in _DFLASH_EXTRA_ARCHITECTURES for a in archs
     ):
         raise DDTreeConfigError(
-            f"{where} is not a DFlash drafter: config.json has architectures={archs!r} "
-            "(expected DFlash*, e.g. DFlashDraftModel). method='ddtree' drafts with "
-            "a DFlash block-diffusion checkpoint such as z-lab/Qwen3-4B-DFlash-b16."
+            f"{where} is not a DFlash or DSpark drafter: config.json has "
+            f"architectures={archs!r} (expected DFlash*, e.g. DFlashDraftModel, or "
+            "Qwen3DSparkModel). method='ddtree' drafts with a block drafter checkpoint "
+            "such as z-lab/Qwen3-4B-DFlash-b16."
         )
     if not isinstance(drafter.get("dflash_config"), dict):
         raise DDTreeConfigError(
@@ -523,9 +572,9 @@ def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> in
     block_size = _get(drafter, "block_size")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise DDTreeConfigError(
-            f"{where}: config.json has block_size={block_size!r}; a DFlash drafter "
+            f"{where}: config.json has block_size={block_size!r}; a block drafter "
             "needs an integer block_size >= 2 (top-level or in dflash_config), "
-            "which bounds the DDTree depth (block_size - 1)."
+            "which bounds the DDTree depth."
         )
     vocab = _get(drafter, "vocab_size")
     if target.vocab_size is not None and vocab is not None and vocab != target.vocab_size:
@@ -535,11 +584,12 @@ def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> in
             "target token ids, so use the DFlash drafter trained for this target."
         )
     draft_vocab = _get(drafter, "draft_vocab_size")
-    if target.vocab_size is not None and draft_vocab not in (None, target.vocab_size):
+    if not dspark and target.vocab_size is not None and \
+            draft_vocab not in (None, target.vocab_size):
         raise DDTreeConfigError(
             f"{where}: drafter draft_vocab_size={draft_vocab} differs from the "
             f"target vocab_size={target.vocab_size}; reduced draft vocabularies "
-            "(d2t) are not supported by method='ddtree'. Use method='dflash'."
+            "(d2t) are supported for DSpark drafters only. Use method='dflash'."
         )
     # vLLM sizes the context projection from target_hidden_size, else hidden_size.
     hidden_key = "target_hidden_size" if _get(drafter, "target_hidden_size") else "hidden_size"
@@ -551,21 +601,35 @@ def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> in
             "drafter reads the target's hidden states, so use the drafter trained "
             "for this target."
         )
-    return block_size
+    if dspark:
+        # DSpark's anchor-as-first layout: every one of the block's slots predicts
+        return DrafterInfo(DSPARK_METHOD, block_size, block_size, dspark_block or 1)
+    return DrafterInfo(BASE_METHOD, block_size, block_size - 1)
 
 
-def resolve_depth(budget: int, block_size: int, max_depth: int | None) -> int:
-    """``D = min(block_size - 1, B, ddtree_max_depth)``; a ``ddtree_max_depth`` above
-    the drafter's ``block_size - 1`` is refused (module docstring, "Bounds")."""
-    if max_depth is not None and max_depth > block_size - 1:
+def resolve_depth(budget: int, drafter: DrafterInfo, max_depth: int | None) -> int:
+    """``D = min(drafter.max_depth, B, ddtree_max_depth)``: ``block_size - 1`` for DFlash
+    (its anchor slot holds the bonus token), ``block_size`` for DSpark (the anchor slot
+    predicts too).  A ``ddtree_max_depth`` above the drafter's depth is refused (module
+    docstring, "Bounds"), and so is a depth below a DSpark checkpoint's
+    ``dspark_block_size``."""
+    bound = "block_size" if drafter.method == DSPARK_METHOD else "block_size - 1"
+    if max_depth is not None and max_depth > drafter.max_depth:
         raise DDTreeConfigError(
             f"speculative_config.{MAX_DEPTH_FIELD}={max_depth} exceeds what the drafter "
-            f"can draft: block_size - 1 = {block_size - 1} (its block_size is "
-            f"{block_size}). Set {MAX_DEPTH_FIELD} <= {block_size - 1}, or omit it for "
-            "that depth."
+            f"can draft: {bound} = {drafter.max_depth} (its block_size is "
+            f"{drafter.block_size}). Set {MAX_DEPTH_FIELD} <= {drafter.max_depth}, or "
+            "omit it for that depth."
         )
     cap = math.inf if max_depth is None else max_depth
-    return int(min(block_size - 1, budget, cap))
+    depth = int(min(drafter.max_depth, budget, cap))
+    if depth < drafter.min_depth:
+        raise DDTreeConfigError(
+            f"the tree depth would be {depth}, below the DSpark drafter's "
+            f"dspark_block_size={drafter.min_depth} (shorter blocks give it a layout it "
+            f"was not trained for). Use num_speculative_tokens >= {drafter.min_depth} "
+            f"and {MAX_DEPTH_FIELD} >= {drafter.min_depth} (or omit it).")
+    return depth
 
 
 # ------------------------------------------------------------------ accessors

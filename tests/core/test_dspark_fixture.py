@@ -7,6 +7,7 @@ import functools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,7 +160,8 @@ def test_markov_steers_guarantee(root, dtype, vd):
     D, roots = 5, torch.tensor([TOKEN_A, TOKEN_B])
     logits = torch.stack([torch.cat([base[r][None], base[fx.MASK_TOKEN_ID].expand(D - 1, -1)])
                           for r in roots.tolist()])  # [R, D, V_draft]
-    cond = build_conditioned_tree(logits, roots, w1, w2, budget=D, draft_to_target=d2t)
+    cond = build_conditioned_tree(logits, roots, functools.partial(markov_bias, w1, w2),
+                                  budget=D, draft_to_target=d2t)
     marg = build_tree(logits, D, impl="torch")
     chain = torch.arange(D).expand(2, -1)  # node j's parent is node j - 1 (0 = root)
     A, B, C = TOKEN_A, TOKEN_B, TOKEN_C
@@ -242,6 +244,15 @@ def _expected(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
     return sd.get(key)
 
 
+def _new_model(vc: Any) -> Any:
+    """vLLM's ``Qwen3DSparkForCausalLM`` for a (cached) config; a config registers each
+    attention layer once, so an earlier model's layers are dropped first."""
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    vc.compilation_config.static_forward_context.clear()
+    return Qwen3DSparkForCausalLM(vllm_config=vc, prefix="")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize(("variant", "vd"), [("random", None), ("markov_steers", 100)])
 def test_vllm_loader_consumes_every_tensor(root, vllm_groups, variant, vd):
@@ -249,14 +260,13 @@ def test_vllm_loader_consumes_every_tensor(root, vllm_groups, variant, vd):
     loads the checkpoint through its own ``load_weights``: every parameter but the ones
     shared from the target is written, with the checkpoint's values."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     vc, _ = _vllm_configs(root, variant, vd)
     drafter = write_dspark_drafter(root, variant, draft_vocab_size=vd)
     sd = _load(drafter / "model.safetensors")
     with set_current_vllm_config(vc), set_default_torch_dtype(torch.float32):
-        model = Qwen3DSparkForCausalLM(vllm_config=vc, prefix="")
+        model = _new_model(vc)
         params = dict(model.named_parameters())
         with torch.no_grad():  # sentinels: whatever the loader skips stays NaN / -1
             for p in params.values():
@@ -280,3 +290,36 @@ def test_vllm_loader_consumes_every_tensor(root, vllm_groups, variant, vd):
     if vd:
         got = model.map_draft_to_target(torch.arange(vd))
         assert torch.equal(got, dx.draft_token_ids(vd))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("variant", "vd"), [("random", None), ("markov_steers", 100)])
+def test_vllm_markov_head_is_the_core_bias(root, vllm_groups, variant, vd):
+    """What the DSpark tree speculator hands the tree build, read through vLLM's model:
+    ``markov_bias(markov_embed(t))`` is the core's low-rank bias over the checkpoint's
+    factors, ``[N, V_draft]`` (the head's padding rows trimmed), and with a reduced
+    vocabulary ``compute_draft_logits`` gives the draft vocabulary's logits."""
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vc, _ = _vllm_configs(root, variant, vd)
+    sd = _load(write_dspark_drafter(root, variant, draft_vocab_size=vd) / "model.safetensors")
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.float32):
+        model = _new_model(vc)
+        model.load_weights(iter(sd.items()))
+        for module in model.modules():  # as vLLM's loader finishes (CPU linear kernels)
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        prev = torch.tensor([fx.TOKEN_A, fx.TOKEN_B, 0, 300, fx.VOCAB - 1])
+        with torch.no_grad():
+            got = model.markov_bias(model.markov_embed(prev))
+            hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+            logits = model.compute_draft_logits(hidden) if vd else None
+    w1, w2 = sd["markov_head.markov_w1.weight"], sd["markov_head.markov_w2.weight"]
+    assert got.shape == (len(prev), vd or fx.VOCAB)
+    torch.testing.assert_close(got.float(), markov_bias(w1, w2, prev), rtol=1e-5, atol=1e-5)
+    if vd:
+        assert logits.shape == (3, vd)
+        torch.testing.assert_close(logits, hidden @ sd["lm_head.weight"].float().T,
+                                   rtol=1e-5, atol=1e-5)

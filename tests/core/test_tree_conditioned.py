@@ -5,6 +5,8 @@ Inputs are multiples of 1/2 (logits) and 1/2 (Markov factors) with small rank, s
 bias is exact in float32 whatever the summation order: the oracle's per-node bias and
 the batched one are the same numbers, and any difference is the build's."""
 
+import functools
+
 import pytest
 import torch
 
@@ -22,6 +24,10 @@ def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: i
     return base, w1, w2, roots
 
 
+def _bias(w1: torch.Tensor, w2: torch.Tensor):
+    return functools.partial(markov_bias, w1, w2)
+
+
 def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
     n = int(tree.num_nodes[r])
     return list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
@@ -34,7 +40,7 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
 def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
-    tree = build_conditioned_tree(base, roots, w1, w2, budget)
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget)
     for r in range(3):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, budget)
         assert _nodes(tree, r) == want
@@ -48,7 +54,7 @@ def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed)
     target ids, and each child distribution is conditioned on its parent's target id."""
     base, w1, w2, roots = _case(seed, 2, 4, 10, rank=2, spread=4, v_target=32)
     d2t = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:10]
-    tree = build_conditioned_tree(base, roots, w1, w2, 20, draft_to_target=d2t)
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 20, draft_to_target=d2t)
     for r in range(2):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, 20,
                                            draft_to_target=d2t.tolist())
@@ -61,7 +67,8 @@ def test_without_markov_bias_it_is_the_dflash_tree(seed):
     """Zero Markov factors: every node's children share their depth's distribution,
     and the tree is build_tree's, field for field."""
     base, w1, w2, roots = _case(seed, 3, 5, 30, rank=2, spread=6, v_target=30)
-    got = build_conditioned_tree(base, roots, torch.zeros_like(w1), torch.zeros_like(w2), 31)
+    got = build_conditioned_tree(base, roots, _bias(torch.zeros_like(w1), torch.zeros_like(w2)),
+                                 31)
     want = build_tree(base, 31, impl="torch")
     for field in ("token_ids", "parents", "depths", "num_nodes", "scores"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
@@ -75,7 +82,7 @@ def test_markov_head_steers_the_branches():
     w1 = torch.eye(V)  # rank V: exact
     w2 = torch.roll(torch.eye(V), 1, dims=0) * 8.0  # bias(t)[t + 1] = 8
     assert torch.equal(markov_bias(w1, w2, torch.tensor([3]))[0].argmax(), torch.tensor(4))
-    tree = build_conditioned_tree(torch.zeros(1, D, V), torch.tensor([3]), w1, w2, 8)
+    tree = build_conditioned_tree(torch.zeros(1, D, V), torch.tensor([3]), _bias(w1, w2), 8)
     nodes = _nodes(tree, 0)
     path, cur = [], 0
     for _ in range(D):  # follow each node's first child in best-first order
@@ -87,7 +94,39 @@ def test_markov_head_steers_the_branches():
 
 def test_budget_zero_and_shape_errors():
     base, w1, w2, roots = _case(0, 2, 3, 8, rank=2, spread=2, v_target=8)
-    empty = build_conditioned_tree(base, roots, w1, w2, 0)
+    empty = build_conditioned_tree(base, roots, _bias(w1, w2), 0)
     assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
     with pytest.raises(ValueError, match=r"\[R, D, V\]"):
-        build_conditioned_tree(base[0], roots, w1, w2, 4)
+        build_conditioned_tree(base[0], roots, _bias(w1, w2), 4)
+
+
+def _greedy_chain(base, root, w1, w2, d2t=None):
+    """The drafter's own left-to-right argmax chain (lowest draft id on ties)."""
+    to_target = (lambda i: i) if d2t is None else (lambda i: int(d2t[i]))
+    prev, chain = root, []
+    for d in range(base.shape[0]):
+        logits = base[d] + markov_bias(w1, w2, torch.tensor([prev]))[0]
+        prev = to_target(int(torch.nonzero(logits == logits.max())[0]))
+        chain.append(prev)
+    return chain
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 4, 31])
+def test_top1_is_the_drafters_greedy_chain(seed, budget):
+    """``top1`` (the chain fallback) follows the Markov head from the root, even where
+    the tree dropped the chain's nodes (budget 1 keeps one node)."""
+    base, w1, w2, roots = _case(seed, 3, 5, 16, rank=2, spread=3, v_target=24)
+    d2t = torch.randperm(24, generator=torch.Generator().manual_seed(seed))[:16]
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, draft_to_target=d2t)
+    for r in range(3):
+        assert tree.top1[r].tolist() == _greedy_chain(base[r], int(roots[r]), w1, w2, d2t)
+    assert not tree.nonfinite.any()
+
+
+def test_nonfinite_flags_only_the_request_with_nan_or_inf():
+    base, w1, w2, roots = _case(1, 3, 4, 12, rank=2, spread=3, v_target=12)
+    base[1, 2, 5] = float("nan")
+    base[2, 0, 0] = float("inf")
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 7)
+    assert tree.nonfinite.tolist() == [False, True, True]

@@ -19,6 +19,7 @@ import vllm_ddtree
 from vllm_ddtree.config import (
     MAX_BUDGET,
     DDTreeConfigError,
+    DrafterInfo,
     check_verify_fits,
     ddtree_params,
     resolve_depth,
@@ -130,11 +131,20 @@ def test_depth_bound_for_a_drafter_vllm_fetched(pairs, monkeypatch) -> None:
 
 
 def test_resolve_depth() -> None:
-    assert resolve_depth(32, 16, None) == 15
-    assert resolve_depth(4, 16, 9) == 4  # a cap above B does not bind
-    assert resolve_depth(32, 8, 7) == 7
+    dflash16, dflash8 = DrafterInfo("dflash", 16, 15), DrafterInfo("dflash", 8, 7)
+    assert resolve_depth(32, dflash16, None) == 15
+    assert resolve_depth(4, dflash16, 9) == 4  # a cap above B does not bind
+    assert resolve_depth(32, dflash8, 7) == 7
     with pytest.raises(DDTreeConfigError, match="ddtree_max_depth <= 7"):
-        resolve_depth(32, 8, 8)
+        resolve_depth(32, dflash8, 8)
+    # DSpark: the anchor slot predicts too, and its block must be drafted whole
+    dspark = DrafterInfo("dspark", 8, 8, min_depth=8)
+    assert resolve_depth(32, dspark, None) == 8
+    with pytest.raises(DDTreeConfigError, match="below the DSpark drafter's "
+                                                "dspark_block_size=8"):
+        resolve_depth(6, dspark, None)
+    with pytest.raises(DDTreeConfigError, match="dspark_block_size=8"):
+        resolve_depth(32, dspark, 7)
 
 
 # ---------------------------------------------- verify width vs. the scheduler

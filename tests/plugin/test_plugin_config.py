@@ -426,14 +426,31 @@ def test_truncated_or_corrupt_drafter_weights(target_config: Any, tmp_path: Path
     [
         (
             {"architectures": ["Qwen3ForCausalLM"]}, (),
-            r"is not a DFlash drafter: config.json has architectures=\['Qwen3ForCausalLM'\]",
+            r"is not a DFlash or DSpark drafter: config.json has "
+            r"architectures=\['Qwen3ForCausalLM'\]",
+        ),
+        (  # vLLM 0.32's CPU build: DSpark drafting is GPU-only
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 64}, (),
+            "with a DSpark drafter runs on GPUs only",
         ),
         (
-            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 64}, (),
-            r"is a DSpark drafter \(architectures=\['Qwen3DSparkModel'\]\): "
-            "method='ddtree' does not draft with DSpark checkpoints yet",
+            {"markov_rank": 64}, (),
+            r"is a DSpark drafter with architectures=\['DFlashDraftModel'\]",
         ),
-        ({"markov_rank": 64}, (), "is a DSpark drafter"),
+        ({"architectures": ["Gemma4DSparkModel"]}, (), "drafts with \\['Qwen3DSparkModel'\\]"),
+        ({"architectures": ["Qwen3DSparkModel"]}, (), "integer markov_rank >= 1"),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 8,
+             "dspark_bonus_anchor": True}, (), "anchor-as-first layout only",
+        ),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 8,
+             "sample_from_anchor": False}, (), "sample_from_anchor=false",
+        ),
+        (
+            {"architectures": ["Qwen3DSparkModel"], "markov_rank": 8,
+             "dspark_block_size": 0}, (), "dspark_block_size=0",
+        ),
         ({}, ("dflash_config",), "has no 'dflash_config'"),
         ({}, ("block_size",), "block_size=None"),
         ({"block_size": 1}, (), "block_size=1"),
@@ -559,7 +576,7 @@ def test_start_up_line_names_ddtree(target_config: Any, pair: tuple[str, str],
     monkeypatch.setattr(ddtree_logger, "init_logger", lambda name: Recorder())
     spec(target_config, model=pair[1], num_speculative_tokens=8, ddtree_max_depth=3)
     assert lines == [f"vllm-ddtree: DDTree speculative decoding on: budget 8 (fixed), "
-                     f"depth 3, drafter {pair[1]}."]
+                     f"depth 3, DFlash drafter {pair[1]}."]
 
 
 def test_package_loggers_sit_under_vllms_logger() -> None:

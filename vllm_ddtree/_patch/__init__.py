@@ -241,6 +241,14 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.sample_indices",
             "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.num_query_per_req",
             "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_tokens",
+            "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.load_draft_model",
+            "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.sample_from_anchor",
+            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.input_buffers",
+            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.compute_draft_logits",
+            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.markov_embed",
+            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.markov_bias",
+            "vllm.model_executor.models.qwen3_dspark:"
+            "Qwen3DSparkForCausalLM.draft_id_to_target_id",
             "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_attn_layer_names",
             "vllm.v1.worker.gpu.model_states:init_model_state",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
@@ -275,7 +283,11 @@ LEDGER: tuple[PatchEntry, ...] = (
         how=(
             "Wrap init_speculator in vllm.v1.worker.gpu.spec_decode (and in the runner "
             "module if it is already imported): for DDTree configs it returns "
-            "DDTreeSpeculator(DFlashSpeculator). In its load_model (after the weights, "
+            "DDTreeSpeculator(DFlashSpeculator), or for a DSpark drafter "
+            "DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator): vLLM's DSpark "
+            "loader and anchor-as-first input layout, the tree built from the drafter's "
+            "base logits and its model's Markov head (markov_embed, markov_bias, "
+            "draft_id_to_target_id). In its load_model (after the weights, "
             "before vLLM builds attention metadata builders from each layer's backend), "
             "the target's attention layers switch, per instance, from FlashAttention to "
             "its tree-aware subclasses (attn_backend and impl class; no global registry, "

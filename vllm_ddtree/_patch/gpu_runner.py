@@ -20,6 +20,10 @@ def make_init_speculator(original):
 
         if not is_ddtree(vllm_config.speculative_config):
             return original(vllm_config, device, *args, **kwargs)
+        if vllm_config.speculative_config.method == "dspark":  # a DSpark checkpoint
+            from vllm_ddtree.gpu.dspark_speculator import DDTreeDSparkSpeculator
+
+            return DDTreeDSparkSpeculator(vllm_config, device)
         from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 
         return DDTreeSpeculator(vllm_config, device)

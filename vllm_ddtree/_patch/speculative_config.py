@@ -7,8 +7,9 @@ Steps (all recorded in a :class:`PatchSet`, undone in reverse):
    ``__dataclass_fields__`` and ``__annotations__``.
 2. New fields :data:`vllm_ddtree.config.EXTRA_FIELDS` (field object,
    annotation and class default).
-3. ``__post_init__`` wrapped: for DDTree, validate, then set
-   ``method="dflash"``, ``ddtree_enabled=True`` and run vLLM's original; for
+3. ``__post_init__`` wrapped: for DDTree, validate, then set ``method`` to the
+   drafter family's (``"dflash"``, or ``"dspark"`` for a DSpark checkpoint),
+   ``ddtree_enabled=True`` and run vLLM's original; for
    ``ddtree_adaptive_budget="online"`` draw the statistics channel's name once.
 4. ``pydantic.dataclasses.rebuild_dataclass(SpeculativeConfig, force=True)``
    (pydantic re-collects ``__pydantic_fields__`` from 1-2).
@@ -102,8 +103,31 @@ def _draft_hf_dict(spec: Any) -> dict[str, Any]:
 
 def _wants_ddtree(spec: Any) -> bool:
     return spec.method == ddcfg.METHOD or (
-        spec.method == ddcfg.BASE_METHOD and getattr(spec, ddcfg.MARKER_FIELD, False)
+        spec.method in ddcfg.BASE_METHODS and getattr(spec, ddcfg.MARKER_FIELD, False)
     )
+
+
+def _base_method(spec: Any, drafter: dict[str, Any] | None) -> str:
+    """The vLLM method DDTree runs on: DSpark for a DSpark checkpoint (vLLM's own
+    detection: the folder's architectures, or for a Hub id a name holding "dspark"),
+    else DFlash.  Re-entry (``method`` already mapped) keeps it."""
+    if spec.method in ddcfg.BASE_METHODS:
+        return spec.method
+    if drafter is not None:
+        dspark = ddcfg.is_dspark_drafter(drafter)
+    else:
+        dspark = "dspark" in str(spec.model).lower()
+    return ddcfg.DSPARK_METHOD if dspark else ddcfg.BASE_METHOD
+
+
+def _check_dspark_platform() -> None:
+    """DSpark drafting exists in vLLM's GPU Model Runner V2 only."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise ddcfg.DDTreeConfigError(
+            "method='ddtree' with a DSpark drafter runs on GPUs only: vLLM implements "
+            "DSpark drafting in its GPU model runner. Use a DFlash drafter on CPU.")
 
 
 def _make_post_init(original: Any) -> Any:
@@ -136,16 +160,24 @@ def _make_post_init(original: Any) -> Any:
         target = target_info(self.target_model_config, self.target_parallel_config)
         ddcfg.check_target(target)
         ddcfg.check_budget_fits_vocab(budget, target)
-        block_size: int | None = None
+        info: ddcfg.DrafterInfo | None = None
         if drafter is not None:  # local folder: validate before vLLM loads anything
-            block_size = ddcfg.check_drafter(drafter, target, self.model)
-        # From here on vLLM sees DFlash with num_speculative_tokens = B.
-        self.method = ddcfg.BASE_METHOD
+            info = ddcfg.check_drafter(drafter, target, self.model)
+        method = _base_method(self, drafter)
+        if method == ddcfg.DSPARK_METHOD:
+            _check_dspark_platform()
+        # From here on vLLM sees DFlash (or DSpark) with num_speculative_tokens = B.
+        self.method = method
         setattr(self, ddcfg.MARKER_FIELD, True)
         result = original(self)
-        if block_size is None:  # Hub id: validate the config vLLM fetched
-            block_size = ddcfg.check_drafter(_draft_hf_dict(self), target, self.model)
-        depth = ddcfg.resolve_depth(budget, block_size, max_depth)
+        if info is None:  # Hub id: validate the config vLLM fetched
+            info = ddcfg.check_drafter(_draft_hf_dict(self), target, self.model)
+            if info.method != method:
+                raise ddcfg.DDTreeConfigError(
+                    f"speculative_config.model={self.model!r} is a {info.method} drafter "
+                    f"but was loaded as {method}: vLLM tells DSpark Hub checkpoints by a "
+                    "name holding 'dspark'. Download it and give the local folder.")
+        depth = ddcfg.resolve_depth(budget, info, max_depth)
         setattr(self, ddcfg.DEPTH_FIELD, depth)
         if adaptive:
             from vllm_ddtree.adaptive.schedule import budget_schedule, capture_schedule
@@ -164,13 +196,14 @@ def _make_post_init(original: Any) -> Any:
 
 def _log_enabled(spec: Any, budget: int, depth: int, adaptive: bool | str) -> None:
     """One start-up line saying that DDTree is on (vLLM's own config line names the
-    DFlash plumbing, ``method='dflash'``)."""
+    drafter plumbing, ``method='dflash'`` or ``'dspark'``)."""
     from vllm_ddtree.logger import init_logger
 
     schedule = {False: "fixed", True: "adaptive", ddcfg.ONLINE: "adaptive, online"}
     init_logger(__name__).info_once(
         "vllm-ddtree: DDTree speculative decoding on: budget %d (%s), depth %d, "
-        "drafter %s.", budget, schedule[adaptive], depth, spec.model)
+        "%s drafter %s.", budget, schedule[adaptive], depth,
+        "DSpark" if spec.method == ddcfg.DSPARK_METHOD else "DFlash", spec.model)
 
 
 def _make_init(original: Any) -> Any:

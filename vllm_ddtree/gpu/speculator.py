@@ -36,7 +36,7 @@ from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.gpu.buffers import Accepted, TreeBuffers
 from vllm_ddtree.gpu.verify_rows import KVCompactor
 from vllm_ddtree.logger import init_logger
-from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree import DraftTree, build_tree
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -121,14 +121,22 @@ class DDTreeSpeculator(DFlashSpeculator):
         # [num_tokens_padded, hidden_size]
         hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                         num_tokens_across_dp, cudagraph_runtime_mode)
-        budget, max_depth = self.budget, self.max_depth
-        # vLLM's sample rows are laid out budget per request; the first D are the mask rows
-        rows = self.sample_indices[: num_reqs * budget].view(num_reqs, budget)
-        rows = rows[:, :max_depth].reshape(-1)
         # [num_reqs, max_depth, vocab]
-        draft_logits = self.model.compute_logits(hidden_states[rows]).view(
-            num_reqs, max_depth, -1)
-        tree = build_tree(draft_logits, budget)
+        draft_logits = self.model.compute_logits(
+            hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
+        self._store_tree(build_tree(draft_logits, self.budget), draft_logits)
+
+    def _sample_rows(self, num_reqs: int) -> torch.Tensor:  # [num_reqs * max_depth]
+        """The drafter rows whose logits draft depths 1..D, request-major: vLLM's DFlash
+        input kernel lays sample rows out ``budget`` per request, the first D in use."""
+        rows = self.sample_indices[: num_reqs * self.budget].view(num_reqs, self.budget)
+        return rows[:, : self.max_depth].reshape(-1)
+
+    def _store_tree(
+        self,
+        tree: DraftTree,  # num_reqs trees
+        draft_logits: torch.Tensor,  # [num_reqs, max_depth, vocab] the tree was built from
+    ) -> None:
         bad = self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
         if self.online is not None:  # an emptied tree expects nothing
             self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))

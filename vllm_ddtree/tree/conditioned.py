@@ -21,6 +21,9 @@ Oracle: :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 
 from vllm_ddtree.kernels.build_tables import (
@@ -32,6 +35,11 @@ from vllm_ddtree.kernels.build_tables import (
 )
 
 from .build import DraftTree, assemble_tree, depth_candidates
+
+# The Markov head as the build calls it: target token ids [N] int64 -> the bias on the
+# logits of the token after each, [N, V_draft].  ``markov_bias`` over the head's two
+# factors, or a model's own (tensor-parallel) head.
+MarkovBias = Callable[[torch.Tensor], torch.Tensor]
 
 
 def markov_bias(
@@ -47,8 +55,7 @@ def markov_bias(
 def build_conditioned_tree(
     base_logits: torch.Tensor,  # [R, D, V_draft]
     root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
-    markov_w1: torch.Tensor,  # [V_target, r]
-    markov_w2: torch.Tensor,  # [V_draft, r]
+    bias: MarkovBias,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
 ) -> DraftTree:
@@ -57,7 +64,9 @@ def build_conditioned_tree(
     Node tokens are target ids (``draft_to_target`` maps a reduced draft vocabulary;
     the next depth's bias reads the mapped id, as the drafter's own sampler does).  Same
     layout, determinism and tie rules as :func:`vllm_ddtree.tree.build.build_tree`; a
-    Python loop over depths only, no device-to-host copy.
+    Python loop over depths only, no device-to-host copy.  ``top1`` is the drafter's own
+    greedy chain (each depth's best token after the chain's previous one, which the tree
+    may not hold), ``nonfinite`` flags requests whose logits held NaN/inf.
     """
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [R, D, V], got {tuple(base_logits.shape)}")
@@ -72,26 +81,37 @@ def build_conditioned_tree(
     def to_target(ids: torch.Tensor) -> torch.Tensor:
         return ids if draft_to_target is None else draft_to_target[ids]
 
+    def child_logits(d: int, parents: torch.Tensor) -> torch.Tensor:  # [R, n, V] float32
+        n = parents.shape[1]
+        return (base_logits[:, d, :].float().unsqueeze(1)
+                + bias(parents.reshape(-1)).float().view(R, n, V))
+
     K = min(width, V)
     # depth 1: one distribution per request, conditioned on the root
-    logits = base_logits[:, 0, :].float() + markov_bias(markov_w1, markov_w2, root_tokens)
-    lp, tok = depth_candidates(logits.unsqueeze(1), K)  # [R, 1, K]
+    lp, tok, bad = depth_candidates(child_logits(0, root_tokens.view(R, 1)), K, inplace=True,
+                                    with_nonfinite=True)  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
+    chain, nonfinite = [tokens[0][:, 0]], bad[:, 0]
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     pi_all, pr_all = pair_tensors(D, K, width, str(dev))
     npairs = pair_layout(D, K, width)[2]
     for d in range(1, D):
-        # every kept node of depth d - 1 is a parent with its own distribution
-        logits = (base_logits[:, d, :].float().unsqueeze(1)
-                  + markov_bias(markov_w1, markov_w2, tokens[-1]))  # [R, n, V]
-        lp, tok = depth_candidates(logits, K)  # [R, n, K]: per parent, ranked
+        # every kept node of depth d - 1 is a parent with its own distribution; the
+        # chain's last token rides along as one more parent (column n), outside the pairs
+        n = tokens[-1].shape[1]
+        parents = torch.cat([tokens[-1], chain[-1].unsqueeze(1)], dim=1)  # [R, n + 1]
+        lp, tok, bad = depth_candidates(child_logits(d, parents), K, inplace=True,
+                                        with_nonfinite=True)
+        chain.append(to_target(tok[:, n, 0]))
+        nonfinite = nonfinite | bad.any(dim=1)
         pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
         cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
         top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()), dim=1).values
         code = unpack_ties(top)
         ppos, rank = code // K, code % K
         parent_pos.append(ppos)
-        tokens.append(to_target(tok.flatten(1).gather(1, ppos * K + rank)))
+        tokens.append(to_target(tok[:, :n].flatten(1).gather(1, ppos * K + rank)))
         scores.append(unpack_scores(top))
     per_req = torch.full((R,), width, dtype=torch.int64, device=dev)
-    return assemble_tree(scores, parent_pos, tokens, per_req, out)
+    tree = assemble_tree(scores, parent_pos, tokens, per_req, out)
+    return dataclasses.replace(tree, top1=torch.stack(chain, dim=1), nonfinite=nonfinite)
