@@ -84,6 +84,14 @@ def test_backbone_is_the_dflash_drafter_and_reduced_is_restricted(root):
     assert torch.equal(reduced[w2], full[w2][ids])
     assert torch.equal(reduced["markov_head.markov_w1.weight"],
                        full["markov_head.markov_w1.weight"])
+    # spread: the DFlash spread drafter's backbone under random's Markov head
+    _, spread_dir = fx.make_tiny_pair(root, "spread")
+    spread_dflash = _load(spread_dir / "model.safetensors")
+    spread = _load(write_dspark_drafter(root, "spread") / "model.safetensors")
+    for k in BACKBONE_KEYS:
+        assert torch.equal(spread[k], spread_dflash[k]), k
+    for k in ("markov_head.markov_w1.weight", w2):
+        assert torch.equal(spread[k], full[k]), k
     # markov_steers is served with tree_beats_chain's target, which is accept_all's
     tbc, acc = fx.make_weights("tree_beats_chain")[0], fx.make_weights("accept_all")[0]
     assert all(torch.equal(tbc[k], acc[k]) for k in tbc)

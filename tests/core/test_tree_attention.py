@@ -282,17 +282,21 @@ def test_triton_grouped_heads_ragged_requests(shape, Hq, Hkv, mode):
 
 @needs_interp
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("hd,Hq,Hkv,shape,block_m,block_n", [
-    (128, 8, 2, "b15", None, None),  # Qwen3-8B's group (4) and head size
-    (256, 16, 2, "b15", None, None),  # group 8 at head size 256: two row blocks
-    (64, 4, 1, "b63", None, None),
-    (32, 6, 2, "b15", 5, 16),  # 5 rows a program (a 15-row tile), 16-key tiles
-    (32, 8, 2, "b63", None, 16),  # four row blocks, four key tiles
+@pytest.mark.parametrize("hd,Hq,Hkv,shape,block_m,block_n,heads", [
+    (128, 8, 2, "b15", None, None, None),  # Qwen3-8B's group (4) and head size
+    (256, 16, 2, "b15", None, None, None),  # group 8 at head size 256: two row blocks
+    (64, 4, 1, "b63", None, None, None),
+    (32, 6, 2, "b15", 5, 16, None),  # 5 rows a program (a 15-row tile), 16-key tiles
+    (32, 8, 2, "b63", None, 16, None),  # four row blocks, four key tiles
+    (128, 8, 2, "b15", None, None, 1),  # one head a program
+    (64, 12, 2, "b63", 8, None, 2),  # two of a group of 6: three programs a KV head
 ])
 @pytest.mark.parametrize("include_prefix", [True, False])
-def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, include_prefix):
+def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, heads,
+                        include_prefix):
     """Production head sizes and explicit tilings (rows per program not a power of two,
-    several key tiles over the tree) in both key ranges, bf16 and fp32."""
+    several key tiles over the tree, part of a KV head's query heads a program) in both
+    key ranges, bf16 and fp32."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     budget, rows, prefix = _SHAPES[shape]
     args = _ragged_case(5, rows, prefix, budget, Hq, Hkv, hd, dtype)
@@ -300,7 +304,8 @@ def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, includ
     inside = torch.zeros(args["q"].shape[0], dtype=torch.bool, device=dev)
     inside[: int(args["query_start"][-1])] = True
     out, lse = tree_attention_triton(**args, include_prefix=include_prefix,
-                                     max_rows=budget + 1, block_m=block_m, block_n=block_n)
+                                     max_rows=budget + 1, block_m=block_m, block_n=block_n,
+                                     heads=heads)
     ref, ref_lse = tree_attention_torch(**args, include_prefix=include_prefix)
     _check_rows(out, ref, inside, tol)
     _check_rows(lse, ref_lse, inside, 1e-4)
@@ -311,10 +316,12 @@ def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, includ
 @pytest.mark.parametrize("hd", [16, 64, 128, 256])
 @pytest.mark.parametrize("include_prefix", [True, False])
 def test_tiling_choice(max_rows, group, hd, include_prefix):
+    """The default tiling's invariants; ``heads`` must divide the group."""
     from vllm_ddtree.kernels.tree_attention import tree_attn_tiling
 
-    block_m, tile_m, block_n, num_warps = tree_attn_tiling(max_rows, group, hd,
-                                                           include_prefix)
+    block_m, heads, tile_m, block_n, num_warps = tree_attn_tiling(max_rows, group, hd,
+                                                                  include_prefix)
+    assert heads == group
     assert 1 <= block_m <= max_rows and tile_m >= max(16, block_m * group)
     assert tile_m & (tile_m - 1) == 0 and block_n & (block_n - 1) == 0
     assert tile_m * hd <= 128 * 128 or block_m == 1  # the fp32 accumulator's size
@@ -323,3 +330,5 @@ def test_tiling_choice(max_rows, group, hd, include_prefix):
         assert block_n >= min(max_rows, 64, 8192 // hd)
         if max_rows <= 16 and group * max_rows <= min(128, 16384 // hd):
             assert block_m == max_rows
+    with pytest.raises(ValueError, match="must divide the query group"):
+        tree_attn_tiling(max_rows, group, hd, include_prefix, heads=group + 1)

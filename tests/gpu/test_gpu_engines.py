@@ -4,7 +4,7 @@ test.  Needs a CUDA GPU with vLLM (skipped elsewhere by tests/conftest.py):
 
     python3 -m pytest tests/gpu -m gpu
 
-Six engine starts in all (about 45 s each on an H200).  The same checks with more
+Eleven engine starts in all (about 45 s each on an H200).  The same checks with more
 budgets, batch sizes and graph modes: ``benchmarks.gpu_correctness`` and
 ``benchmarks.gpu_sampling``.
 """
@@ -57,54 +57,104 @@ def test_margin_fixtures_greedy_identical_with_cuda_graphs(root, fixture):
         assert tau >= MIN_TAU[fixture], f"{fixture}, batch {batch}: tau {tau:.2f}"
 
 
-def test_sampling_matches_no_speculation(root):
-    """T > 0 on the ``spread`` fixture (target T = 1 distribution ~(0.80, 0.16, 0.03) over
-    three tokens, shared by the drafter, so trees accept several random tokens a step).
-    For each of t1, top_k, top_p: 4000 unseeded samples of the first 4 tokens with DDTree
-    (budget 60) and with no speculation; the two-sample chi-square
-    (:func:`vllm_ddtree.testing.metrics.two_sample_p_value`) per position and on the
-    joint pair of positions 1 and 2 must give p > 1e-3 everywhere (``min_p``).  Power: the
-    same test rejects (p < 1e-3) no speculation at T = 0.7 against T = 1.  Seeded
-    requests give the same tokens run to run and the same tokens as no speculation
-    (vLLM keys its noise by seed and position, DDTree draws each node at root + depth)."""
+# (fixture, reduced draft vocabulary): from root A the Markov head's best path is A A A
+# ..., what the target accepts at every depth; the DSpark pass drafts block_size = 16
+# depths, so accepting them all gives 17 tokens a step
+DSPARK_CASES = (("markov_steers", None), ("markov_steers", 100))
+DSPARK_MIN_TAU = 16.0
+
+
+@pytest.mark.parametrize(("variant", "vd"), DSPARK_CASES)
+def test_dspark_drafter_greedy_identical_with_cuda_graphs(root, variant, vd):
+    """``method: ddtree`` over a DSpark drafter (vLLM's DSpark backbone, the tree's
+    children ranked by the Markov head): greedy tokens equal no speculation's at batches
+    1 and 32 with CUDA graphs on, full and reduced draft vocabularies, and the trees
+    follow the head (a marginal tree's best path, B B B ..., would accept nothing)."""
+    from vllm_ddtree.testing import dspark_fixture as dx
+    from vllm_ddtree.testing.fixtures import make_tiny_pair
+
+    target, _ = make_tiny_pair(root, dx.PAIRED_TARGET[variant], "bfloat16")
+    drafter = dx.write_dspark_drafter(root, variant, "bfloat16", draft_vocab_size=vd)
+    with engine(target, None, graphs=False) as llm:
+        want = run_batches(llm, BATCHES, MAX_TOKENS)
+    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
+    with engine(target, spec, graphs=True, budget=BUDGET) as llm:
+        got = run_batches(llm, BATCHES, MAX_TOKENS)
+    for batch in BATCHES:
+        tokens, tau, _ = got[batch]
+        assert tokens == want[batch][0], f"{variant}/{vd}, batch {batch}: tokens differ"
+        assert tau >= DSPARK_MIN_TAU, f"{variant}/{vd}, batch {batch}: tau {tau:.2f}"
+
+
+NUM_SAMPLES, SEEDS = 4000, list(range(1000, 1200))
+
+
+def _sample_runs(target, spec) -> dict:
+    """Samples of the first TOKENS tokens of one engine: per CONFIGS entry NUM_SAMPLES
+    unseeded, T = 0.7 (no speculation only, for the power check), and twice the seeded
+    requests; plus the engine's tau."""
     from vllm import SamplingParams
 
     from vllm_ddtree.testing.engines import llm_engine
-    from vllm_ddtree.testing.fixtures import make_tiny_pair
     from vllm_ddtree.testing.metrics import spec_counts
 
-    target, drafter = make_tiny_pair(root, "spread", "bfloat16")
-    num_samples, seeds = 4000, list(range(1000, 1200))
-
-    def samples(llm, n=num_samples, seeded=False, **params):
+    def samples(llm, n=NUM_SAMPLES, seeded=False, **params):
         sampling = [SamplingParams(max_tokens=TOKENS, ignore_eos=True,
-                                   seed=seeds[i] if seeded else None, **params)
+                                   seed=SEEDS[i] if seeded else None, **params)
                     for i in range(n)]
         outputs = llm.generate(["hi"] * n, sampling, use_tqdm=False)
         return [tuple(o.outputs[0].token_ids) for o in outputs]
 
-    runs = {}
-    ddtree = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
-    for name, spec in (("nospec", None), ("ddtree", ddtree)):
-        # different engine seeds: the unseeded samples of the two engines are independent
-        with llm_engine(model=str(target), dtype="bfloat16", max_model_len=256,
-                        seed=1 if spec else 0, max_num_seqs=256, gpu_memory_utilization=0.3,
-                        disable_log_stats=False, speculative_config=spec) as llm:
-            run = {config: samples(llm, **params) for config, params in CONFIGS.items()}
-            if spec is None:
-                run["t07"] = samples(llm, temperature=0.7)
-            run["seeded"] = [samples(llm, n=len(seeds), seeded=True, temperature=1.0)
-                             for _ in range(2)]
-            run["tau"] = spec_counts(llm).tau
-        runs[name] = run
+    # different engine seeds: the unseeded samples of the two engines are independent
+    with llm_engine(model=str(target), dtype="bfloat16", max_model_len=256,
+                    seed=1 if spec else 0, max_num_seqs=256, gpu_memory_utilization=0.3,
+                    disable_log_stats=False, speculative_config=spec) as llm:
+        run = {config: samples(llm, **params) for config, params in CONFIGS.items()}
+        if spec is None:
+            run["t07"] = samples(llm, temperature=0.7)
+        run["seeded"] = [samples(llm, n=len(SEEDS), seeded=True, temperature=1.0)
+                         for _ in range(2)]
+        run["tau"] = spec_counts(llm).tau
+    return run
 
-    for config in CONFIGS:
-        p = min_p(runs["ddtree"][config], runs["nospec"][config])
-        assert p > P_MIN, f"{config}: DDTree's samples differ from no speculation (p = {p:.3g})"
-    power = min_p(runs["nospec"]["t07"], runs["nospec"]["t1"])
+
+@pytest.fixture(scope="module")
+def spread_nospec(root) -> dict:
+    """No speculation on the ``spread`` target, shared by both drafter families."""
+    from vllm_ddtree.testing.fixtures import make_tiny_pair
+
+    target, _ = make_tiny_pair(root, "spread", "bfloat16")
+    run = _sample_runs(target, None)
+    power = min_p(run["t07"], run["t1"])
     assert power < P_MIN, f"the test cannot tell T = 0.7 from T = 1 (p = {power:.3g})"
-    assert runs["ddtree"]["tau"] is not None and runs["ddtree"]["tau"] > 2.0
-    first, second = runs["ddtree"]["seeded"]
-    assert first == second, "seeded DDTree requests differ run to run"
-    assert first == runs["nospec"]["seeded"][0], "seeded DDTree differs from no speculation"
+    return run
 
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_sampling_matches_no_speculation(root, spread_nospec, family):
+    """T > 0 on the ``spread`` fixture (target T = 1 distribution ~(0.80, 0.16, 0.03) over
+    three tokens, shared by the drafter, so trees accept several random tokens a step),
+    with the DFlash drafter and with the DSpark one (its Markov head reranks each node's
+    children).  For each of t1, top_k, top_p: 4000 unseeded samples of the first 4
+    tokens with DDTree (budget 60) and with no speculation; the two-sample chi-square
+    (:func:`vllm_ddtree.testing.metrics.two_sample_p_value`) per position and on the
+    joint pair of positions 1 and 2 must give p > 1e-3 everywhere (``min_p``).  Power: the
+    same test rejects (p < 1e-3) no speculation at T = 0.7 against T = 1
+    (``spread_nospec``).  Seeded requests give the same tokens run to run and the same
+    tokens as no speculation (vLLM keys its noise by seed and position, DDTree draws each
+    node at root + depth)."""
+    from vllm_ddtree.testing import dspark_fixture as dx
+    from vllm_ddtree.testing.fixtures import make_tiny_pair
+
+    target, drafter = make_tiny_pair(root, "spread", "bfloat16")
+    if family == "dspark":
+        drafter = dx.write_dspark_drafter(root, "spread", "bfloat16")
+    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
+    ddtree, nospec = _sample_runs(target, spec), spread_nospec
+    for config in CONFIGS:
+        p = min_p(ddtree[config], nospec[config])
+        assert p > P_MIN, f"{config}: DDTree's samples differ from no speculation (p = {p:.3g})"
+    assert ddtree["tau"] is not None and ddtree["tau"] > 2.0
+    first, second = ddtree["seeded"]
+    assert first == second, "seeded DDTree requests differ run to run"
+    assert first == nospec["seeded"][0], "seeded DDTree differs from no speculation"

@@ -12,17 +12,19 @@ prefix attention computed elsewhere (:func:`merge_attn_states`).
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (vLLM's
 FlashAttention layout), ``block_table [R, max_blocks]``.
 
-The Triton kernel runs one program per (request, block of ``BLOCK_M`` query rows, KV
-head): the block's rows of all ``Hq // Hkv`` query heads sharing the KV head form one
-tile (row-major: a query row's heads are adjacent), so each K/V tile is read once per KV
-head.  Keys are the whole cache range with ``include_prefix``, else only the request's
-verify rows (usually one key tile).
+The Triton kernel runs one program per (request, block of ``BLOCK_M`` query rows, group
+of ``HEADS`` query heads sharing one KV head): the block's rows of those heads form one
+tile (row-major: a query row's heads are adjacent), so each K/V tile is read once per
+program.  ``HEADS = Hq // Hkv`` reads K/V once per KV head; fewer heads a program give
+more programs, which a small batch needs to fill the GPU.  Keys are the whole cache range
+with ``include_prefix``, else only the request's verify rows (usually one key tile).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -113,18 +115,21 @@ if HAS_TRITON:
         scale,
         s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ot, s_oh, s_bt, s_anc,
         s_lt, s_lh, s_it, s_ih,
-        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
         INCLUDE_PREFIX: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
         HAS_QE: tl.constexpr, MERGE: tl.constexpr, STORE_LSE: tl.constexpr,
     ):
-        # One program: query rows mb * BLOCK_M .. + BLOCK_M of request r for the GROUP
-        # query heads of KV head kvh, as one [TILE_M, HEAD_DIM] tile (tile row i = query
-        # row i // GROUP, head kvh * GROUP + i % GROUP; rows past BLOCK_M * GROUP pad the
-        # tile to a power of two), so each K/V tile is loaded once for all of them.
+        # One program: query rows mb * BLOCK_M .. + BLOCK_M of request r for the HEADS
+        # query heads h0 .. h0 + HEADS of KV head kvh, as one [TILE_M, HEAD_DIM] tile
+        # (tile row i = query row i // HEADS, head h0 + i % HEADS; rows past
+        # BLOCK_M * HEADS pad the tile to a power of two), so each K/V tile is loaded
+        # once for all of them.
         r = tl.program_id(0)
         mb = tl.program_id(1)
-        kvh = tl.program_id(2)
+        h0 = tl.program_id(2) * HEADS
+        kvh = h0 // GROUP
         q0 = tl.load(QS + r)
         if HAS_QE:
             n_rows = tl.load(QE + r) - q0
@@ -134,10 +139,10 @@ if HAS_TRITON:
             return
         prefix = tl.load(PL + r)
         offs_i = tl.arange(0, TILE_M)
-        offs_m = mb * BLOCK_M + offs_i // GROUP  # query row (within the request)
-        head = kvh * GROUP + offs_i % GROUP
+        offs_m = mb * BLOCK_M + offs_i // HEADS  # query row (within the request)
+        head = h0 + offs_i % HEADS
         offs_d = tl.arange(0, HEAD_DIM)
-        m_ok = (offs_i < BLOCK_M * GROUP) & (offs_m < n_rows)
+        m_ok = (offs_i < BLOCK_M * HEADS) & (offs_m < n_rows)
         tok = q0 + offs_m
         q = tl.load(Q + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                     mask=m_ok[:, None], other=0.0)
@@ -183,7 +188,7 @@ if HAS_TRITON:
             t = offs_n - prefix  # verify row of the key (negative in the prefix)
             in_tree = t >= 0
             tt = tl.where(in_tree, t, 0)
-            # ancestor bits are per query row (the GROUP heads of a row share them)
+            # ancestor bits are per query row (the HEADS heads of a row share them)
             if INCLUDE_PREFIX or BLOCK_N > 32:
                 words = tl.load(ANC + tok[:, None] * s_anc + (tt // 32)[None, :],
                                 mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)
@@ -221,6 +226,16 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+class TreeAttnTiling(NamedTuple):
+    """One :func:`tree_attention_triton` launch's tiling."""
+
+    block_m: int  # query rows a program
+    heads: int  # query heads a program (a divisor of the group: one KV head)
+    tile_m: int  # block_m * heads padded to a power of two, >= 16 (tl.dot)
+    block_n: int  # keys a tile
+    num_warps: int
+
+
 def tree_attn_tiling(
     max_rows: int,
     group: int,
@@ -228,19 +243,24 @@ def tree_attn_tiling(
     include_prefix: bool,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, TILE_M, BLOCK_N, num_warps)`` of one :func:`tree_attention_triton`
-    launch: ``BLOCK_M`` query rows of ``group`` heads per program, padded to a
-    ``TILE_M``-row tile (a power of two, at least 16 for ``tl.dot``), keys in tiles of
-    ``BLOCK_N``.  Derived from ``max_rows`` (fixed per budget), never from a step's
-    token count, so serving compiles one variant per mode."""
+    heads: int | None = None,
+    num_warps: int | None = None,
+) -> TreeAttnTiling:
+    """The tiling of one :func:`tree_attention_triton` launch: ``block_m`` query rows of
+    ``heads`` query heads (all ``group`` heads of a KV head by default) per program,
+    padded to a ``tile_m``-row tile, keys in tiles of ``block_n``.  Derived from
+    ``max_rows`` (fixed per budget), never from a step's token count, so serving
+    compiles one variant per mode."""
+    heads = group if heads is None else heads
+    if heads < 1 or group % heads:
+        raise ValueError(f"heads={heads} must divide the query group {group}")
     # The fp32 accumulator is TILE_M x head_dim: at most 128 x 128 (64 KiB, 64 registers
     # a thread over 8 warps), i.e. 128 rows for head_dim <= 128 and 64 for 256.
     max_tile = max(16, min(128, 16384 // head_dim))
     if block_m is None:
         # a 16-row block holds a whole budget-15 tree; narrower trees shrink the tile
-        block_m = max(1, min(max_rows, 16, max_tile // group))
-    tile_m = max(16, _next_pow2(block_m * group))
+        block_m = max(1, min(max_rows, 16, max_tile // heads))
+    tile_m = max(16, _next_pow2(block_m * heads))
     if block_n is None:
         if include_prefix:
             block_n = 32  # the prefix is long: FlashAttention-like tiles
@@ -248,11 +268,12 @@ def tree_attn_tiling(
             # only the request's own rows are keys: one tile of them when they fit
             # (K + V of a tile stay <= 32 KiB a pipeline stage)
             block_n = min(64, 8192 // head_dim, max(16, _next_pow2(max_rows)))
-    # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
-    # 160..210 registers a thread); wider rows, longer rows or wider key tiles spill
-    # there and take 8
-    num_warps = 8 if tile_m * (head_dim + block_n) > 64 * (128 + 32) else 4
-    return block_m, tile_m, block_n, num_warps
+    if num_warps is None:
+        # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
+        # 160..210 registers a thread); wider rows, longer rows or wider key tiles spill
+        # there and take 8
+        num_warps = 8 if tile_m * (head_dim + block_n) > 64 * (128 + 32) else 4
+    return TreeAttnTiling(block_m, heads, tile_m, block_n, num_warps)
 
 
 def tree_attention_triton(
@@ -269,6 +290,8 @@ def tree_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
     *,
+    heads: int | None = None,
+    num_warps: int | None = None,
     query_end: torch.Tensor | None = None,  # [R] end of each request's rows
     out: torch.Tensor | None = None,  # [T, Hq, hd]
     prefix_out_lse: torch.Tensor | None = None,  # [Hq, T] float32
@@ -285,8 +308,9 @@ def tree_attention_triton(
       of a prefix attention already stored in ``out``; the tree keys are merged into it
       (use with ``include_prefix=False``).  A non-finite entry means "no prefix keys".
     * ``return_lse=False`` skips writing the log-sum-exp (returns ``(out, None)``).
-    * ``block_m`` (query rows per program, any positive number) and ``block_n`` (keys
-      per tile, a power of two >= 16) override :func:`tree_attn_tiling`'s choice.
+    * ``block_m`` (query rows per program, any positive number), ``block_n`` (keys
+      per tile, a power of two >= 16), ``heads`` (query heads per program, a divisor of
+      ``Hq // Hkv``) and ``num_warps`` override :func:`tree_attn_tiling`'s choice.
     """
     if not HAS_TRITON:
         raise RuntimeError("tree_attention_triton needs triton")
@@ -310,11 +334,11 @@ def tree_attention_triton(
     assert out.stride(2) == 1
     assert Hq % Hkv == 0, (Hq, Hkv)
     group = Hq // Hkv
-    block_m, tile_m, block_n, num_warps = tree_attn_tiling(
-        max_rows, group, hd, include_prefix, block_m, block_n)
+    tiling = tree_attn_tiling(max_rows, group, hd, include_prefix, block_m, block_n,
+                              heads, num_warps)
     lse_arg = lse if lse is not None else out
     lse_in = prefix_out_lse if merge else out
-    grid = (R, triton.cdiv(max_rows, block_m), Hkv)
+    grid = (R, triton.cdiv(max_rows, tiling.block_m), Hq // tiling.heads)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, out, lse_arg, block_table, query_start,
         query_end if query_end is not None else query_start, prefix_lens, ancestor_bits,
@@ -324,11 +348,12 @@ def tree_attention_triton(
         block_table.stride(0), ancestor_bits.stride(0),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         prefix_out_lse.stride(1) if merge else 0, prefix_out_lse.stride(0) if merge else 0,
-        GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd, BLOCK_M=block_m,
-        TILE_M=tile_m, BLOCK_N=block_n, INCLUDE_PREFIX=include_prefix,
+        GROUP=group, HEADS=tiling.heads, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=hd,
+        BLOCK_M=tiling.block_m, TILE_M=tiling.tile_m, BLOCK_N=tiling.block_n,
+        INCLUDE_PREFIX=include_prefix,
         IEEE=q.dtype == torch.float32 or _INTERPRET,
         UPCAST=_INTERPRET and q.dtype == torch.bfloat16,
         HAS_QE=query_end is not None, MERGE=merge, STORE_LSE=lse is not None,
-        num_warps=num_warps,
+        num_warps=tiling.num_warps,
     )
     return out, lse
