@@ -48,6 +48,96 @@ def test_verifier_accepts_the_runner_call():
     assert DDTreeVerifier.enable_adaptive_verification is False  # read by 0.32 warm-up
 
 
+class _Sampler:
+    """vLLM 0.26's sampler as the verifier reads it; records which method drew."""
+
+    logprobs_mode, compute_nans, use_fp64_gumbel = "raw_logprobs", False, False
+
+    def __init__(self, temperature, seeded):
+        import torch
+
+        self.calls = []
+        temp = np.array(temperature, dtype=np.float32)
+        self.sampling_states = SimpleNamespace(
+            temperature=SimpleNamespace(np=temp, gpu=torch.from_numpy(temp)),
+            seeds=SimpleNamespace(gpu=torch.arange(len(temp), dtype=torch.int64)),
+            any_explicit_seed=lambda idx: bool(np.any(np.array(seeded)[idx])))
+        self.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=None))
+
+    def returns_logprobs(self, idx_mapping_np):
+        return False
+
+    def sample(self, logits, expanded_idx_mapping, idx_mapping_np, pos, input_ids,
+               expanded_local_pos, return_logprobs=False):
+        self.calls.append("sample")
+        return logits.argmax(dim=-1), logits
+
+    def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping_np, pos,
+                              input_ids, expanded_local_pos, skip_top_k_top_p=False):
+        self.calls.append(f"apply_sampling_params(skip_top_k_top_p={skip_top_k_top_p})")
+        return logits
+
+
+@pytest.mark.parametrize(("temperature", "seeded", "rule"), [
+    ([0.0, 0.0], [False, False], "sample"),  # greedy: every row's argmax
+    ([1.0, 0.7], [False, False], "choice"),
+    ([0.0, 1.0], [False, False], "choice"),  # greedy rows take the argmax in the kernel
+    ([1.0, 1.0], [False, True], "sample"),  # a seeded request: vLLM's noise at every row
+])
+def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperature, seeded,
+                                                         rule):
+    """Sampled batches without per-request seeds: vLLM's processing of the logits, the
+    choice kernel, the walk, and one stop draw per request with vLLM's Gumbel sampler;
+    otherwise vLLM's sampler at every row.  Either way the runner gets the walk's
+    tokens."""
+    import torch
+
+    import vllm_ddtree.gpu.verifier as verifier
+    from vllm_ddtree.gpu.buffers import TreeBuffers
+    from vllm_ddtree.gpu.verify_sampling import choose_children_torch
+
+    budget, V = 3, 8
+    tb = TreeBuffers(2, 16, budget, 3, "cpu")  # chains: node j's parent is row j
+    tb.walk_tokens[:] = torch.tensor([1, 2, 3])
+    draws = []
+    monkeypatch.setattr(verifier, "choose_children", lambda x, s, loc, pos, t, seeds, w, p:
+                        choose_children_torch(x, s, loc, t, w, p, torch.full((len(s),), 0.5)))
+
+
+    def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos,
+                      apply_temperature, use_fp64=False):  # vLLM 0.26's signature
+        assert apply_temperature is False
+        draws.append(pos)
+        return logits.argmax(dim=-1)
+
+    monkeypatch.setattr(verifier, "gumbel_sample", gumbel_sample)
+    monkeypatch.setattr(verifier, "get_num_sampled_and_rejected",
+                        lambda num_sampled, *args: (num_sampled, torch.zeros_like(num_sampled)))
+    sampler = _Sampler(temperature, seeded)
+    ddtree = object.__new__(verifier.DDTreeVerifier)
+    ddtree.sampler, ddtree.tree_buffers = sampler, tb
+    W = budget + 1
+    logits = torch.full((2 * W, V), -5.0)
+    logits[torch.arange(2 * W), torch.tensor([1, 2, 7, 0] * 2)] = 5.0  # 1, 2, then off-tree
+    batch = SimpleNamespace(
+        logits_indices=torch.arange(2 * W), input_ids=torch.zeros(2 * W, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=None, idx_mapping_np=np.arange(2),
+        idx_mapping=torch.arange(2, dtype=torch.int32),
+        expanded_idx_mapping=torch.arange(2, dtype=torch.int32).repeat_interleave(W),
+        expanded_local_pos=torch.arange(W, dtype=torch.int32).repeat(2),
+        cu_num_logits=torch.tensor([0, W, 2 * W], dtype=torch.int32), num_reqs=2,
+        seq_lens=None)
+    out = ddtree(logits, batch)
+    want = {"sample": ["sample"],
+            "choice": ["apply_sampling_params(skip_top_k_top_p=False)"]}[rule]
+    assert sampler.calls == want
+    assert len(draws) == (rule == "choice")
+    # u = 0.5: rows 0 and 1 take their child (p ~ 1), row 2 stops (its child has p ~ 0)
+    # and draws 7; argmax rows give the same tokens
+    assert out.sampled_token_ids[:, :3].tolist() == [[1, 2, 7]] * 2
+    assert out.num_sampled.tolist() == [3, 3]
+
+
 class _Tree:
     def __init__(self):
         self.commits = 0

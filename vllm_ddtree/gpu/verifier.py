@@ -6,7 +6,12 @@ sampler (``ModelState.custom_sampler``).
    ``root + depth``: greedy rows take the argmax; at T > 0 each node's token is a draw
    from that node's processed distribution (lossless), and along the accepted path the
    Gumbel noise is the one non-speculative decoding uses at the same positions.
-2. The walk (:meth:`TreeBuffers.walk`): follow the child equal to the target's token.
+   Batches with sampled rows and no per-request seed instead take the choice rule of
+   :mod:`~vllm_ddtree.gpu.verify_sampling` (the same distribution; one full-vocabulary
+   draw per request, at the row where its walk stops, instead of one per row): vLLM's
+   processing of the logits, then :func:`choose_children`.
+2. The walk (:meth:`TreeBuffers.walk`): follow the child equal to the target's token
+   (or chosen child), then, on the choice rule, :func:`draw_stop_tokens`.
 3. vLLM's ``SamplerOutput``: accepted tokens + bonus, ``num_sampled`` and
    ``num_rejected`` through vLLM's own ``get_num_sampled_and_rejected``.  Logprobs are
    vLLM's own code run on the logits rows permuted to the accepted path.
@@ -22,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.verify_sampling import choose_children, draw_stop_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,18 +97,34 @@ class DDTreeVerifier:
         node_positions = self.tree_buffers.row_positions[logits_indices]  # root + depth
         seq_lens_upper_bound = input_batch.seq_lens_cpu_upper_bound
         wants_logprobs = _returns_logprobs(sampler, input_batch.idx_mapping_np)
-        targets, processed = _call_by_name(
-            sampler.sample, logits=logits,
-            expanded_idx_mapping=input_batch.expanded_idx_mapping,
+        row_args = dict(
+            logits=logits, expanded_idx_mapping=input_batch.expanded_idx_mapping,
             idx_mapping=input_batch.idx_mapping, idx_mapping_np=input_batch.idx_mapping_np,
             pos=node_positions, input_ids=node_tokens,
             expanded_local_pos=input_batch.expanded_local_pos,
             seq_lens_upper_bound_np=(seq_lens_upper_bound.numpy()
-                                     if seq_lens_upper_bound is not None else None),
-            return_logprobs=wants_logprobs)
+                                     if seq_lens_upper_bound is not None else None))
+        choice_rule = self._uses_choice_rule(input_batch.idx_mapping_np)
+        states = sampler.sampling_states
+        tree_buffers = self.tree_buffers
+        if choice_rule:
+            processed = _call_by_name(sampler.apply_sampling_params, **row_args,
+                                      skip_top_k_top_p=False)
+            targets = choose_children(
+                processed, input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
+                node_positions, states.temperature.gpu, states.seeds.gpu,
+                tree_buffers.walk_tokens, tree_buffers.parents)
+        else:
+            targets, processed = _call_by_name(sampler.sample, **row_args,
+                                               return_logprobs=wants_logprobs)
         num_reqs = input_batch.num_reqs
-        sampled, accepted = self.tree_buffers.walk(targets.view(-1), input_batch.cu_num_logits,
-                                                   input_batch.idx_mapping, num_reqs)
+        sampled, accepted = tree_buffers.walk(targets.view(-1), input_batch.cu_num_logits,
+                                              input_batch.idx_mapping, num_reqs)
+        if choice_rule:
+            draw_stop_tokens(processed, targets, sampled, accepted.path, accepted.num_accepted,
+                             input_batch.cu_num_logits, input_batch.idx_mapping[:num_reqs],
+                             node_positions, tree_buffers.walk_tokens, tree_buffers.parents,
+                             self._draw)
         num_sampled = accepted.num_accepted.to(torch.int32)
 
         logprobs = None
@@ -117,6 +140,28 @@ class DDTreeVerifier:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
+
+    def _uses_choice_rule(self, idx_mapping_np: np.ndarray) -> bool:
+        """Host-side: the batch has a sampled request and none with its own seed (a
+        seeded request gets the tokens it gets without speculation: every row is drawn
+        with vLLM's keyed noise)."""
+        states = self.sampler.sampling_states
+        return (bool(np.any(states.temperature.np[idx_mapping_np] > 0.0))
+                and not states.any_explicit_seed(idx_mapping_np))
+
+    def _draw(
+        self,
+        rows: torch.Tensor,  # [n, V] processed logits, some entries -inf
+        row_states: torch.Tensor,  # [n] int32 request state of each row
+        positions: torch.Tensor,  # [n] int64 each row's position
+    ) -> torch.Tensor:  # [n] int64
+        """vLLM's own draw (its Gumbel noise, keyed (seed, position)) from rows whose
+        temperature is already applied."""
+        states = self.sampler.sampling_states
+        return _call_by_name(gumbel_sample, logits=rows, expanded_idx_mapping=row_states,
+                             temperature=states.temperature.gpu, seed=states.seeds.gpu,
+                             pos=positions, apply_temperature=False, is_drafting=False,
+                             use_fp64=getattr(self.sampler, "use_fp64_gumbel", False))
 
     def _logprobs(
         self,

@@ -1,0 +1,216 @@
+"""Tree verification at T > 0 with one full-vocabulary draw per request
+(:mod:`vllm_ddtree.gpu.verify_sampling`): the Triton choice kernel against its torch
+reference, the keyed uniforms, and the whole scheme (choose -> walk -> stop draw) against
+the exact distribution of the per-row rule, with a mutation that the test catches."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.verify_sampling import (
+    NO_CHILD,
+    choose_children,
+    choose_children_torch,
+    draw_stop_tokens,
+)
+from vllm_ddtree.tree import build_tree
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+P_MIN = 1e-3
+
+
+def _buffers(num_states: int, budget: int, depth: int, draft_logits: torch.Tensor,
+             chain_rows: list[int] = ()) -> TreeBuffers:
+    """Request states 0..n-1 hold the trees of ``draft_logits [n, depth, V]``."""
+    tb = TreeBuffers(num_states, 8, budget, depth, "cpu")
+    n = draft_logits.shape[0]
+    draft_tokens = torch.zeros(num_states, budget, dtype=torch.int64)
+    tb.store_batch(build_tree(draft_logits, budget), draft_logits, draft_tokens)
+    if chain_rows:
+        tb.apply_chain_fallback(torch.tensor(chain_rows), draft_tokens)
+    tb.commit(torch.arange(n, dtype=torch.int32), n)
+    return tb
+
+
+def _rows(num_reqs: int, width: int, states=None):
+    """(states, local rows, positions, cu_num_logits) of ``width`` rows a request."""
+    states = torch.arange(num_reqs) if states is None else states
+    expanded = states.repeat_interleave(width).to(torch.int32)
+    local = torch.arange(width).repeat(num_reqs).to(torch.int32)
+    positions = 100 + local.long()
+    cu = torch.arange(num_reqs + 1, dtype=torch.int32) * width
+    return expanded, local, positions, cu
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("V", "budget"), [(40, 12), (5000, 31), (9000, 6)])
+def test_choice_kernel_matches_reference(seed, V, budget):
+    """Random trees (one a chain fallback), greedy and sampled rows, logits with bf16
+    ties and -inf (top-k) entries, uniforms anywhere in [0, 1) including 0: the kernel's
+    choice equals the reference's, row for row.  Chunked stats (V > 4096) included."""
+    g = torch.Generator().manual_seed(seed)
+    R, D = 3, 4
+    tb = _buffers(R, budget, D, torch.randn(R, D, V, generator=g) * 2, chain_rows=[2])
+    width = budget + 1
+    states, local, positions, _ = _rows(R, width)
+    logits = (torch.randn(R * width, V, generator=g) * 3).bfloat16().float()
+    logits[:, V // 2:] = logits[:, V // 2:].masked_fill(
+        torch.rand(R * width, V - V // 2, generator=g) < 0.3, float("-inf"))
+    # make the drafted tokens likely, so that children are chosen often
+    tokens = tb.walk_tokens[states.long()].clamp(min=0)
+    logits.scatter_(1, tokens, 14.0 + torch.randn(tokens.shape, generator=g).bfloat16().float())
+    temperature = torch.tensor([0.0, 1.0, 1.0])  # state 0 greedy
+    uniforms = torch.rand(R * width, generator=g)
+    uniforms[::7] = 0.0
+    want = choose_children_torch(logits, states, local, temperature, tb.walk_tokens,
+                                 tb.parents, uniforms)
+    got = choose_children(logits.to(DEV), states.to(DEV), local.to(DEV), positions.to(DEV),
+                          temperature.to(DEV), torch.zeros(R, dtype=torch.int64, device=DEV),
+                          tb.walk_tokens.to(DEV), tb.parents.to(DEV), uniforms.to(DEV),
+                          impl="triton")
+    assert got.cpu().tolist() == want.tolist()
+    greedy = want[:width]
+    assert greedy.tolist() == logits[:width].argmax(dim=-1).tolist()
+    assert (want[width:] == NO_CHILD).any() and (want[width:] >= 0).any()
+
+
+@needs_triton
+def test_keyed_uniforms():
+    """Without given uniforms each row's uniform is keyed by (seed, position): the same
+    keys give the same choices; over 600 positions a child of probability 0.3 is chosen
+    at 0.3 (binomial, 4.5 sigma) and the choice depends on the seed."""
+    V, n = 16, 600
+    tb = TreeBuffers(2, 8, 1, 1, "cpu")
+    tb.walk_tokens[:, 0] = 5  # one node, child of the root, token 5
+    tb.parents[:, 0] = 0
+    logits = torch.full((n, V), float("-inf"))
+    logits[:, 5] = torch.tensor(0.3).log()
+    logits[:, 6] = torch.tensor(0.7).log()
+    states = torch.zeros(n, dtype=torch.int32)
+    local = torch.zeros(n, dtype=torch.int32)
+    positions = torch.arange(n, dtype=torch.int64) * 3 + 11
+    temperature = torch.ones(2)
+
+    def run(seed):
+        seeds = torch.full((2,), seed, dtype=torch.int64)
+        return choose_children(logits.to(DEV), states.to(DEV), local.to(DEV),
+                               positions.to(DEV), temperature.to(DEV), seeds.to(DEV),
+                               tb.walk_tokens.to(DEV), tb.parents.to(DEV),
+                               impl="triton").cpu()
+
+    a, b, c = run(1234), run(1234), run(99)
+    assert torch.equal(a, b)
+    assert set(a.tolist()) <= {5, NO_CHILD}
+    rate = (a == 5).float().mean().item()
+    assert abs(rate - 0.3) < 4.5 * (0.3 * 0.7 / n) ** 0.5, rate
+    assert not torch.equal(a, c)
+
+
+def _exact(probs: torch.Tensor, tokens: list[int], parents: list[int], row: int = 0,
+           prefix: tuple = (), mass: float = 1.0, out=None) -> dict[tuple, float]:
+    """The per-row rule's distribution of one verify step's emitted tokens: at row i draw
+    y ~ probs[i]; a child with token y continues the walk, any other y ends it."""
+    out = {} if out is None else out
+    kids = {tokens[j]: j + 1 for j in range(len(tokens)) if parents[j] == row
+            and tokens[j] >= 0}
+    for y, p in enumerate(probs[row].tolist()):
+        if p == 0.0:
+            continue
+        if y in kids:
+            _exact(probs, tokens, parents, kids[y], prefix + (y,), mass * p, out)
+        else:
+            out[prefix + (y,)] = out.get(prefix + (y,), 0.0) + mass * p
+    return out
+
+
+def _race(rows: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+          g: torch.Generator) -> torch.Tensor:
+    """An exact draw from each row's softmax: the exponential race."""
+    q = torch.empty_like(rows).exponential_(generator=g)
+    return (rows.softmax(dim=-1) / q).argmax(dim=-1)
+
+
+def _scheme_counts(seed: int, mask_children: bool) -> tuple[Counter, dict, int]:
+    """Emitted tokens of N one-step verifies of one tree, through choose (torch) ->
+    walk -> draw_stop_tokens; ``mask_children=False`` is a broken stop draw."""
+    g = torch.Generator().manual_seed(seed)
+    N, V, budget, D = 20000, 5, 6, 3
+    draft = torch.tensor([[3.0, 2.5, 0.0, -1.0, -2.0]] * D)  # a bushy tree over 0 and 1
+    tb = _buffers(N, budget, D, draft.expand(N, D, V).clone())
+    width = budget + 1
+    probs = torch.softmax(torch.randn(width, V, generator=g) * 1.5, dim=-1)  # per row
+    states, local, positions, cu = _rows(N, width)
+    logits = probs.log().repeat(N, 1)
+    choices = choose_children_torch(logits, states, local, torch.ones(N), tb.walk_tokens,
+                                    tb.parents, torch.rand(N * width, generator=g))
+    sampled, acc = tb.walk(choices, cu, torch.arange(N, dtype=torch.int32), N, impl="torch")
+    parents = tb.parents if mask_children else torch.full_like(tb.parents, -1)
+    draw_stop_tokens(logits, choices, sampled, acc.path, acc.num_accepted, cu,
+                     torch.arange(N, dtype=torch.int32), positions, tb.walk_tokens, parents,
+                     lambda rows, s, p: _race(rows, s, p, g))
+    seqs = Counter(tuple(sampled[b, : int(acc.num_accepted[b])].tolist()) for b in range(N))
+    exact = _exact(probs, tb.walk_tokens[0].tolist(), tb.parents[0].tolist())
+    return seqs, exact, N
+
+
+def _gof_p(seqs: Counter, exact: dict, n: int) -> float:
+    """Chi-square goodness of fit; sequences expected < 5 times pooled into one cell,
+    and any emitted sequence the rule never emits lands in that cell too."""
+    big = [s for s, p in exact.items() if p * n >= 5]
+    obs = [seqs.get(s, 0) for s in big]
+    exp = [exact[s] * n for s in big]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scheme_has_the_per_row_distribution(seed):
+    """Threshold p > 1e-3 on 20000 one-step verifies of a bushy 6-node tree, per-row
+    target distributions at random; every emitted sequence is one the rule can emit."""
+    seqs, exact, n = _scheme_counts(seed, mask_children=True)
+    assert set(seqs) <= set(exact)
+    assert len(exact) > 20 and max(len(s) for s in seqs) >= 3  # the tree is used
+    p = _gof_p(seqs, exact, n)
+    assert p > P_MIN, p
+
+
+def test_scheme_test_catches_an_unmasked_stop_draw():
+    """Power: a stop draw that may return a child's token emits sequences the rule
+    cannot, and the same test rejects it (p < 1e-3)."""
+    seqs, exact, n = _scheme_counts(0, mask_children=False)
+    assert _gof_p(seqs, exact, n) < P_MIN
+
+
+def test_stop_draw_replaces_only_no_child_stops():
+    """A stop on NO_CHILD takes the draw (children masked); a stop on a chosen but
+    unscheduled child keeps that child's token; greedy argmax stops stay."""
+    tb = TreeBuffers(3, 8, 2, 2, "cpu")
+    tb.walk_tokens[:] = torch.tensor([4, 7])
+    tb.parents[:] = torch.tensor([0, 0])  # two children of the root
+    cu = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
+    choices = torch.tensor([NO_CHILD, 0, 0, 7, 0, 0, 2, 0, 0])
+    sampled = torch.tensor([[NO_CHILD, -1, -1], [7, -1, -1], [2, -1, -1]])
+    path = torch.tensor([[0, -1, -1]] * 3)
+    seen = []
+
+    def draw(rows, states, positions):
+        seen.append(rows.clone())
+        return torch.full((rows.shape[0],), 9)
+
+    logits = torch.zeros(9, 10)
+    draw_stop_tokens(logits, choices, sampled, path, torch.ones(3, dtype=torch.int64), cu,
+                     torch.arange(3, dtype=torch.int32), torch.arange(9), tb.walk_tokens,
+                     tb.parents, draw)
+    assert sampled[:, 0].tolist() == [9, 7, 2]
+    assert torch.isneginf(seen[0][:, [4, 7]]).all() and seen[0][:, [0, 5, 9]].eq(0).all()

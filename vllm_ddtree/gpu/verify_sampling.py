@@ -1,0 +1,220 @@
+"""Lossless tree verification at T > 0 that draws a full-vocabulary sample at one row per
+request instead of every row.
+
+The plain rule draws the target's token ``y ~ p`` at every verify row and follows the
+child equal to ``y``.  Its path has the same distribution when each row instead draws
+one uniform ``u`` and walks its children ``c_1 .. c_k`` (distinct tokens, in node order):
+child ``c_j`` is taken when ``u`` falls in ``[P_{j-1}, P_j)`` with ``P_j = p(c_1) + ..
++ p(c_j)``, i.e. with probability ``p(c_j)``; when ``u >= P_k`` the walk stops and the
+emitted token is drawn from ``p`` restricted to the other tokens (mass ``1 - P_k``), so
+every token keeps its probability ``p(y)``.  A taken child that was not scheduled
+(vLLM cut the tree short) stops the walk too and is itself the emitted token, a draw
+with the right probability.
+
+So one pass over the logits gives each row's log-sum-exp and its choice
+(:func:`choose_children`: a child's token, or :data:`NO_CHILD`), the walk runs on those
+choices as on drawn tokens, and only where a walk stopped on :data:`NO_CHILD` is a token
+drawn from a full row, with its children masked (:func:`draw_stop_tokens`).  Greedy rows
+take the argmax (lowest id on ties) as before.
+
+Randomness: a row's ``u`` is keyed by (request seed, row position), as vLLM keys its
+Gumbel noise, at a counter (``vocab_size``) that no vocabulary entry's noise uses; rows
+of one depth share it, and only one of them lies on a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_ddtree.gpu.verify_rows import use_triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+
+NO_CHILD = -3  # a row's choice when its uniform fell past every child's probability
+
+# (logits [n, V], rows' request states [n], rows' positions [n]) -> tokens [n] int64: a
+# draw from each row's distribution (vLLM's Gumbel sampler in the runner)
+DrawRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_CHUNK = 4096  # vocabulary entries a stage-1 program reduces
+
+
+def row_children(
+    walk_tokens: torch.Tensor,  # [n, B] int64 node tokens (-1: never accepted)
+    parents: torch.Tensor,  # [n, B] int64 node parents (verify rows)
+    local: torch.Tensor,  # [n] row index within its request
+) -> torch.Tensor:  # [n, B] bool
+    """Which nodes are children of each row (in node order)."""
+    return (parents == local.long().unsqueeze(1)) & (walk_tokens >= 0)
+
+
+def choose_children_torch(
+    logits: torch.Tensor,  # [N, V] processed logits (temperature, top-k/p applied)
+    states: torch.Tensor,  # [N] int request state of each row
+    local: torch.Tensor,  # [N] int row index within its request
+    temperature: torch.Tensor,  # [S] float
+    walk_tokens: torch.Tensor,  # [S, B] int64
+    parents: torch.Tensor,  # [S, B] int64
+    uniforms: torch.Tensor,  # [N] float32 each row's uniform in [0, 1)
+) -> torch.Tensor:  # [N] int64
+    """Reference of :func:`choose_children` with the rows' uniforms given."""
+    x = logits.float()
+    states = states.long()
+    greedy = temperature[states] == 0
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [N, 1]
+    tokens, is_child = walk_tokens[states], row_children(walk_tokens[states],
+                                                         parents[states], local)
+    p = torch.where(is_child, torch.exp(x.gather(1, tokens.clamp(min=0)) - lse), 0.0)
+    cum = torch.cumsum(p, dim=1)  # [N, B] P_j (constant past the last child)
+    hit = is_child & (uniforms.unsqueeze(1) < cum)
+    first = torch.where(hit, torch.arange(hit.shape[1], device=x.device), hit.shape[1])
+    j = first.min(dim=1).values  # [N] the first child whose P_j exceeds u
+    found = j < hit.shape[1]
+    chosen = torch.where(found, tokens.gather(1, j.clamp(max=hit.shape[1] - 1)
+                                              .unsqueeze(1)).squeeze(1), NO_CHILD)
+    return torch.where(greedy, x.argmax(dim=-1), chosen)
+
+
+if HAS_TRITON:
+    NO_CHILD_TL = tl.constexpr(NO_CHILD)
+
+    @triton.jit
+    def _row_stats_kernel(X, s_x, M, S, A, V, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+        # stage 1: one (row, chunk): max, sum of exp(x - max) and argmax of the chunk
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        m_i = tl.full((), float("-inf"), tl.float32)
+        s_i = tl.zeros((), tl.float32)
+        a_i = tl.zeros((), tl.int64)
+        for v0 in range(c * (BLOCK * CHUNKS), (c + 1) * (BLOCK * CHUNKS), BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * s_x + offs, mask=offs < V, other=float("-inf"))
+            x = x.to(tl.float32)
+            bm, ba = tl.max(x, axis=0, return_indices=True)
+            m_new = tl.maximum(m_i, bm)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_i = s_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            a_i = tl.where(bm > m_i, v0 + ba, a_i)  # strictly greater: lowest id on ties
+            m_i = m_new
+        n = tl.num_programs(1)
+        tl.store(M + row * n + c, m_i)
+        tl.store(S + row * n + c, s_i)
+        tl.store(A + row * n + c, a_i)
+
+    @triton.jit
+    def _choose_kernel(X, s_x, M, S, A, IDX, LOC, POS, TEMP, SEEDS, WTOK, PAR, U, OUT,
+                       s_wt, s_par, V, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BUDGET: tl.constexpr, BLOCK_B: tl.constexpr, HAS_U: tl.constexpr):
+        # stage 2: one row: combine the chunks, then take the argmax or choose a child
+        row = tl.program_id(0).to(tl.int64)
+        state = tl.load(IDX + row).to(tl.int64)
+        cs = tl.arange(0, BLOCK_C)
+        c_ok = cs < NUM_CHUNKS
+        m = tl.load(M + row * NUM_CHUNKS + cs, mask=c_ok, other=float("-inf"))
+        s = tl.load(S + row * NUM_CHUNKS + cs, mask=c_ok, other=0.0)
+        a = tl.load(A + row * NUM_CHUNKS + cs, mask=c_ok, other=0)
+        m_max = tl.max(m, axis=0)
+        if tl.load(TEMP + state) == 0.0:
+            # the first chunk holding the max: lowest id on ties
+            best = tl.min(tl.where(m == m_max, cs, BLOCK_C), axis=0)
+            tl.store(OUT + row, tl.sum(tl.where(cs == best, a, 0), axis=0))
+            return
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
+        local = tl.load(LOC + row).to(tl.int64)
+        j = tl.arange(0, BLOCK_B)
+        j_ok = j < BUDGET
+        tok = tl.load(WTOK + state * s_wt + j, mask=j_ok, other=-1)
+        par = tl.load(PAR + state * s_par + j, mask=j_ok, other=-1)
+        child = j_ok & (par == local) & (tok >= 0)
+        x = tl.load(X + row * s_x + tl.where(child, tok, 0), mask=child,
+                    other=float("-inf")).to(tl.float32)
+        p = tl.where(child, tl.exp(x - lse), 0.0)
+        cum = tl.cumsum(p, axis=0)
+        if HAS_U:
+            u = tl.load(U + row)
+        else:
+            seed = tl.load(SEEDS + state)
+            pos = tl.load(POS + row)
+            u = tl.rand(tl.randint(seed, pos), V)  # counter V: no vocabulary entry's
+        first = tl.min(tl.where(child & (u < cum), j, BLOCK_B), axis=0)
+        chosen = tl.sum(tl.where(j == first, tok, 0), axis=0)
+        tl.store(OUT + row, tl.where(first < BLOCK_B, chosen, NO_CHILD_TL))
+
+
+def choose_children(
+    logits: torch.Tensor,  # [N, V] processed logits (temperature, top-k/p applied)
+    states: torch.Tensor,  # [N] int32 request state of each row (expanded_idx_mapping)
+    local: torch.Tensor,  # [N] int32 row index within its request (expanded_local_pos)
+    positions: torch.Tensor,  # [N] int64 each row's position (the noise key)
+    temperature: torch.Tensor,  # [S] float32 by request state
+    seeds: torch.Tensor,  # [S] int64 by request state
+    walk_tokens: torch.Tensor,  # [S, B] int64 node tokens by state (-1: never accepted)
+    parents: torch.Tensor,  # [S, B] int64 node parents (verify rows) by state
+    uniforms: torch.Tensor | None = None,  # [N] float32; None: keyed draws (module doc)
+    impl: str = "auto",
+) -> torch.Tensor:  # [N] int64 the argmax, a child's token, or NO_CHILD
+    """Each row's choice (module docstring): two launches, no host sync.  The torch path
+    (``impl="torch"``, or off CUDA without Triton) needs ``uniforms``."""
+    N, V = logits.shape
+    if not use_triton(impl, logits):
+        if uniforms is None:
+            raise ValueError("choose_children: the torch path needs uniforms")
+        return choose_children_torch(logits, states, local, temperature, walk_tokens,
+                                     parents, uniforms)
+    out = torch.empty(N, dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return out
+    assert logits.stride(1) == 1
+    block = 1024
+    chunks = triton.cdiv(V, _CHUNK)
+    m = torch.empty((N, chunks), dtype=torch.float32, device=logits.device)
+    s = torch.empty_like(m)
+    a = torch.empty((N, chunks), dtype=torch.int64, device=logits.device)
+    _row_stats_kernel[(N, chunks)](logits, logits.stride(0), m, s, a, V,
+                                   CHUNKS=_CHUNK // block, BLOCK=block, num_warps=4)
+    budget = walk_tokens.shape[1]
+    _choose_kernel[(N,)](
+        logits, logits.stride(0), m, s, a, states, local, positions, temperature, seeds,
+        walk_tokens, parents, uniforms if uniforms is not None else m, out,
+        walk_tokens.stride(0), parents.stride(0), V, NUM_CHUNKS=chunks,
+        BLOCK_C=triton.next_power_of_2(chunks), BUDGET=budget,
+        BLOCK_B=triton.next_power_of_2(budget), HAS_U=uniforms is not None, num_warps=4)
+    return out
+
+
+def draw_stop_tokens(
+    processed: torch.Tensor,  # [N, V] the rows' processed logits
+    choices: torch.Tensor,  # [N] int64 choose_children's result
+    sampled: torch.Tensor,  # [R, 1 + B] int64 the walk's tokens, updated in place
+    path: torch.Tensor,  # [R, D + 1] int64 accepted verify rows
+    num_accepted: torch.Tensor,  # [R] int64 (root included)
+    cu_num_logits: torch.Tensor,  # [R + 1] int32
+    idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
+    positions: torch.Tensor,  # [N] int64 each row's position
+    walk_tokens: torch.Tensor,  # [S, B] int64
+    parents: torch.Tensor,  # [S, B] int64
+    draw: DrawRows,
+) -> None:
+    """Where a walk stopped on :data:`NO_CHILD`, its emitted token (``sampled[r,
+    num_accepted - 1]``) becomes a draw from the stop row's distribution without that
+    row's children.  One full-vocabulary draw per request, no host sync."""
+    R = idx_mapping.shape[0]
+    if R == 0:
+        return
+    last = (num_accepted - 1).unsqueeze(1)  # [R, 1]
+    stop_local = path.gather(1, last)  # [R, 1] verify row the walk stopped at
+    stop_row = cu_num_logits[:R].long() + stop_local.squeeze(1)  # [R]
+    states = idx_mapping.long()
+    rows = processed.index_select(0, stop_row).float()  # [R, V]
+    V = rows.shape[1]
+    # the stop row's children -> -inf (non-children scatter into a spare column)
+    children = row_children(walk_tokens[states], parents[states], stop_local.squeeze(1))
+    cols = torch.where(children, walk_tokens[states], V)  # [R, B]
+    masked = torch.cat([rows, rows.new_empty(R, 1)], dim=1)
+    masked.scatter_(1, cols, float("-inf"))
+    drawn = draw(masked[:, :V], idx_mapping, positions.index_select(0, stop_row))
+    emitted = sampled.gather(1, last).squeeze(1)
+    need = choices.index_select(0, stop_row) == NO_CHILD
+    sampled.scatter_(1, last, torch.where(need, drawn, emitted).unsqueeze(1))
