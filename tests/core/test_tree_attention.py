@@ -315,20 +315,28 @@ def test_triton_tilings(dtype, tol, hd, Hq, Hkv, shape, block_m, block_n, heads,
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
 @pytest.mark.parametrize("hd", [16, 64, 128, 256])
 @pytest.mark.parametrize("include_prefix", [True, False])
-def test_tiling_choice(max_rows, group, hd, include_prefix):
-    """The default tiling's invariants; ``heads`` must divide the group."""
+@pytest.mark.parametrize("num_reqs", [None, 1, 8, 64])
+def test_tiling_choice(max_rows, group, hd, include_prefix, num_reqs):
+    """The default tiling's invariants; ``heads`` must divide the group; tree keys of a
+    small batch (<= 128 verify rows) get 16-row tiles."""
     from vllm_ddtree.kernels.tree_attention import tree_attn_tiling
 
-    block_m, heads, tile_m, block_n, num_warps = tree_attn_tiling(max_rows, group, hd,
-                                                                  include_prefix)
+    block_m, heads, tile_m, block_n, num_warps = tree_attn_tiling(
+        max_rows, group, hd, include_prefix, num_reqs=num_reqs)
     assert heads == group
+    small = not include_prefix and num_reqs is not None and num_reqs * max_rows <= 128
+    if small:
+        assert block_m == max(1, min(max_rows, 16 // group))
+    elif num_reqs is not None:  # a larger batch: the tiling that ignores the batch
+        assert (block_m, heads, tile_m, block_n, num_warps) == tree_attn_tiling(
+            max_rows, group, hd, include_prefix)
     assert 1 <= block_m <= max_rows and tile_m >= max(16, block_m * group)
     assert tile_m & (tile_m - 1) == 0 and block_n & (block_n - 1) == 0
     assert tile_m * hd <= 128 * 128 or block_m == 1  # the fp32 accumulator's size
     assert 16 <= block_n <= 64 and num_warps in (4, 8)
     if not include_prefix:  # a tree of <= 16 rows: one program, one key tile per KV head
         assert block_n >= min(max_rows, 64, 8192 // hd)
-        if max_rows <= 16 and group * max_rows <= min(128, 16384 // hd):
+        if max_rows <= 16 and group * max_rows <= min(128, 16384 // hd) and not small:
             assert block_m == max_rows
     with pytest.raises(ValueError, match="must divide the query group"):
         tree_attn_tiling(max_rows, group, hd, include_prefix, heads=group + 1)

@@ -245,21 +245,33 @@ def tree_attn_tiling(
     block_n: int | None = None,
     heads: int | None = None,
     num_warps: int | None = None,
+    num_reqs: int | None = None,
 ) -> TreeAttnTiling:
     """The tiling of one :func:`tree_attention_triton` launch: ``block_m`` query rows of
     ``heads`` query heads (all ``group`` heads of a KV head by default) per program,
     padded to a ``tile_m``-row tile, keys in tiles of ``block_n``.  Derived from
-    ``max_rows`` (fixed per budget), never from a step's token count, so serving
-    compiles one variant per mode."""
+    ``max_rows`` (fixed per budget) and, for tree keys only, ``num_reqs`` (fixed per
+    captured CUDA graph), never from a step's token count, so serving compiles two
+    variants of the tree-keys mode and one of the whole-cache mode."""
     heads = group if heads is None else heads
     if heads < 1 or group % heads:
         raise ValueError(f"heads={heads} must divide the query group {group}")
     # The fp32 accumulator is TILE_M x head_dim: at most 128 x 128 (64 KiB, 64 registers
     # a thread over 8 warps), i.e. 128 rows for head_dim <= 128 and 64 for 256.
     max_tile = max(16, min(128, 16384 // head_dim))
+    # Tree keys of at most 128 verify rows in all (batch 8 at budget 15, 2 at 63): the
+    # launch is latency-bound, and 16-row tiles (one 16-row tl.dot) give the most
+    # programs; measured at Qwen3-8B's attention shape on an H200, 1.2-2.2x faster there
+    # than whole-tree tiles (benchmarks.tree_attn_tiling).
+    small = (not include_prefix and num_reqs is not None and num_reqs * max_rows <= 128
+             and block_m is None)
+    if small:
+        block_m = max(1, min(max_rows, 16 // heads))
     if block_m is None:
-        # a 16-row block holds a whole budget-15 tree; narrower trees shrink the tile
-        block_m = max(1, min(max_rows, 16, max_tile // heads))
+        # a 16-row block holds a whole budget-15 tree; over tree keys, 32-row blocks suit
+        # wider trees (fewer programs re-reading the same keys); narrower trees shrink it
+        rows = 32 if not include_prefix and max_rows > 16 else 16
+        block_m = max(1, min(max_rows, rows, max_tile // heads))
     tile_m = max(16, _next_pow2(block_m * heads))
     if block_n is None:
         if include_prefix:
@@ -270,9 +282,12 @@ def tree_attn_tiling(
             block_n = min(64, 8192 // head_dim, max(16, _next_pow2(max_rows)))
     if num_warps is None:
         # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
-        # 160..210 registers a thread); wider rows, longer rows or wider key tiles spill
-        # there and take 8
-        num_warps = 8 if tile_m * (head_dim + block_n) > 64 * (128 + 32) else 4
+        # 160..210 registers a thread), and over tree keys alone (one key tile) up to
+        # 128 x 128 with 32 keys; wider tiles take 8, and so do 64-key tiles under a
+        # small batch's 16-row tiles (measured)
+        limit = 64 * (128 + 32) if include_prefix else 128 * (128 + 32)
+        wide = tile_m * (head_dim + block_n) > limit
+        num_warps = 8 if wide or (small and block_n >= 64) else 4
     return TreeAttnTiling(block_m, heads, tile_m, block_n, num_warps)
 
 
@@ -335,7 +350,7 @@ def tree_attention_triton(
     assert Hq % Hkv == 0, (Hq, Hkv)
     group = Hq // Hkv
     tiling = tree_attn_tiling(max_rows, group, hd, include_prefix, block_m, block_n,
-                              heads, num_warps)
+                              heads, num_warps, num_reqs=R)
     lse_arg = lse if lse is not None else out
     lse_in = prefix_out_lse if merge else out
     grid = (R, triton.cdiv(max_rows, tiling.block_m), Hq // tiling.heads)
