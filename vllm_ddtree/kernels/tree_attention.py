@@ -268,9 +268,10 @@ def tree_attn_tiling(
     if small:
         block_m = max(1, min(max_rows, 16 // heads))
     if block_m is None:
-        # a 16-row block holds a whole budget-15 tree; over tree keys, 32-row blocks suit
-        # wider trees (fewer programs re-reading the same keys); narrower trees shrink it
-        rows = 32 if not include_prefix and max_rows > 16 else 16
+        # a 16-row block holds a whole budget-15 tree; over the tree keys of trees wider
+        # than 32 rows, 32-row blocks (fewer programs re-reading the same keys: 1.9x
+        # faster at budget 63 from batch 8 up, measured); narrower trees shrink it
+        rows = 32 if not include_prefix and max_rows > 32 else 16
         block_m = max(1, min(max_rows, rows, max_tile // heads))
     tile_m = max(16, _next_pow2(block_m * heads))
     if block_n is None:
