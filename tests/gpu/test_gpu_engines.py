@@ -37,6 +37,20 @@ def spawned_engine_processes():
         yield
 
 
+def _assert_greedy_identical(target, drafter, min_tau: float, label: str) -> None:
+    """Greedy DDTree (budget 60, CUDA graphs on) against an eager no-speculation engine,
+    at every batch of BATCHES: the same tokens, and at least ``min_tau`` tokens a step."""
+    with engine(target, None, graphs=False) as llm:
+        want = run_batches(llm, BATCHES, MAX_TOKENS)
+    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
+    with engine(target, spec, graphs=True, budget=BUDGET) as llm:
+        got = run_batches(llm, BATCHES, MAX_TOKENS)
+    for batch in BATCHES:
+        tokens, tau, _ = got[batch]
+        assert tokens == want[batch][0], f"{label}, batch {batch}: tokens differ"
+        assert tau >= min_tau, f"{label}, batch {batch}: tau {tau:.2f}"
+
+
 @pytest.mark.parametrize("fixture", sorted(MIN_TAU))
 def test_margin_fixtures_greedy_identical_with_cuda_graphs(root, fixture):
     """Greedy DDTree (budget 60, CUDA graphs on) gives exactly the tokens of no
@@ -46,15 +60,7 @@ def test_margin_fixtures_greedy_identical_with_cuda_graphs(root, fixture):
     from vllm_ddtree.testing.fixtures import make_tiny_pair
 
     target, drafter = make_tiny_pair(root, fixture, "bfloat16")
-    with engine(target, None, graphs=False) as llm:
-        want = run_batches(llm, BATCHES, MAX_TOKENS)
-    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
-    with engine(target, spec, graphs=True, budget=BUDGET) as llm:
-        got = run_batches(llm, BATCHES, MAX_TOKENS)
-    for batch in BATCHES:
-        tokens, tau, _ = got[batch]
-        assert tokens == want[batch][0], f"{fixture}, batch {batch}: tokens differ"
-        assert tau >= MIN_TAU[fixture], f"{fixture}, batch {batch}: tau {tau:.2f}"
+    _assert_greedy_identical(target, drafter, MIN_TAU[fixture], fixture)
 
 
 # (fixture, reduced draft vocabulary): from root A the Markov head's best path is A A A
@@ -75,15 +81,7 @@ def test_dspark_drafter_greedy_identical_with_cuda_graphs(root, variant, vd):
 
     target, _ = make_tiny_pair(root, dx.PAIRED_TARGET[variant], "bfloat16")
     drafter = dx.write_dspark_drafter(root, variant, "bfloat16", draft_vocab_size=vd)
-    with engine(target, None, graphs=False) as llm:
-        want = run_batches(llm, BATCHES, MAX_TOKENS)
-    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": BUDGET}
-    with engine(target, spec, graphs=True, budget=BUDGET) as llm:
-        got = run_batches(llm, BATCHES, MAX_TOKENS)
-    for batch in BATCHES:
-        tokens, tau, _ = got[batch]
-        assert tokens == want[batch][0], f"{variant}/{vd}, batch {batch}: tokens differ"
-        assert tau >= DSPARK_MIN_TAU, f"{variant}/{vd}, batch {batch}: tau {tau:.2f}"
+    _assert_greedy_identical(target, drafter, DSPARK_MIN_TAU, f"{variant}/{vd}")
 
 
 NUM_SAMPLES, SEEDS = 4000, list(range(1000, 1200))

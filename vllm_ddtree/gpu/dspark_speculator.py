@@ -18,14 +18,13 @@ Checkpoints with the ``1 + N`` fill-in block (``dspark_bonus_anchor``) are refus
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
 from vllm_ddtree.gpu.speculator import DDTreeSpeculator
-from vllm_ddtree.tree import build_conditioned_tree
+from vllm_ddtree.tree import DraftTree, build_conditioned_tree
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -59,23 +58,16 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
         parallel under TP, gathered by its logits processor, as vLLM's sampler uses it)."""
         return self.model.markov_bias(self.model.markov_embed(prev_tokens))
 
-    def _generate_draft(
+    def _draft_tree(
         self,
+        hidden_states: torch.Tensor,  # [num_tokens_padded, hidden_size] the drafter's
         num_reqs: int,
-        num_tokens_padded: int,
-        attn_metadata: dict[str, Any] | None,
-        slot_mappings: dict[str, torch.Tensor] | None,
-        num_tokens_across_dp: torch.Tensor | None,
-        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
-    ) -> None:
-        # [num_tokens_padded, hidden_size]
-        hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
-                                        num_tokens_across_dp, cudagraph_runtime_mode)
-        # [num_reqs, max_depth, V_draft]; the anchor's row drafts depth 1
+    ) -> tuple[DraftTree, torch.Tensor]:  # num_reqs trees, [num_reqs, max_depth, V_draft]
+        # the anchor's row drafts depth 1
         base_logits = self.model.compute_draft_logits(
             hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
         # [num_reqs] the anchor slot's input: the request's last committed token
         roots = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]].long()
         tree = build_conditioned_tree(base_logits, roots, self._markov_bias, self.budget,
                                       self._draft_to_target)
-        self._store_tree(tree, base_logits)
+        return tree, base_logits

@@ -121,25 +121,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         # [num_tokens_padded, hidden_size]
         hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                         num_tokens_across_dp, cudagraph_runtime_mode)
-        # [num_reqs, max_depth, vocab]
+        tree, draft_logits = self._draft_tree(hidden_states, num_reqs)
+        bad = self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
+        if self.online is not None:  # an emptied tree expects nothing
+            self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
+
+    def _draft_tree(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens_padded, hidden_size] the drafter's
+        num_reqs: int,
+    ) -> tuple[DraftTree, torch.Tensor]:  # num_reqs trees, [num_reqs, max_depth, vocab]
+        """The batch's trees and the draft logits they were built from."""
         draft_logits = self.model.compute_logits(
             hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
-        self._store_tree(build_tree(draft_logits, self.budget), draft_logits)
+        return build_tree(draft_logits, self.budget), draft_logits
 
     def _sample_rows(self, num_reqs: int) -> torch.Tensor:  # [num_reqs * max_depth]
         """The drafter rows whose logits draft depths 1..D, request-major: vLLM's DFlash
         input kernel lays sample rows out ``budget`` per request, the first D in use."""
         rows = self.sample_indices[: num_reqs * self.budget].view(num_reqs, self.budget)
         return rows[:, : self.max_depth].reshape(-1)
-
-    def _store_tree(
-        self,
-        tree: DraftTree,  # num_reqs trees
-        draft_logits: torch.Tensor,  # [num_reqs, max_depth, vocab] the tree was built from
-    ) -> None:
-        bad = self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
-        if self.online is not None:  # an emptied tree expects nothing
-            self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
 
     # -- one step ----------------------------------------------------------------------
     def propose(
