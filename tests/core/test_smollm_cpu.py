@@ -121,3 +121,54 @@ def test_trainer_tiny_writes_loadable_drafter(smollm_dir, train_drafter, tmp_pat
                 torch.testing.assert_close(h[b, n], r, atol=1e-4, rtol=1e-4)
                 k = min(15, (40 if b == 0 else 30) - 1 - a)
                 assert lab[b, n, 1:1 + k].tolist() == greedy[a:a + k].tolist()
+
+
+def test_trainer_tiny_writes_dspark_drafter(smollm_dir, train_drafter, tmp_path, one_thread):
+    """``--dspark``: vLLM's DSpark layout (config and weight names), every block slot
+    predicting the next position, and the Markov bias of the token before added to the
+    base logits (teacher forced)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.config import is_dspark_drafter
+    from vllm_ddtree.tree.conditioned import markov_bias
+
+    out = tmp_path / "dspark"
+    assert train_drafter.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--tiny",
+                               "--dspark", "--markov-rank", "4",
+                               "--target", str(smollm_dir)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == 4
+    assert "auto_map" not in cfg and is_dspark_drafter(cfg) and cfg["block_size"] == 16
+    w = load_file(str(out / "model.safetensors"))
+    assert w["markov_head.markov_w1.weight"].shape == (49152, 4)
+    assert w["markov_head.markov_w2.weight"].shape == (49152, 4)
+    assert {"fc.weight", "layers.2.self_attn.k_norm.weight"} <= set(w)
+    log = json.loads((out / "training_log.json").read_text())
+    assert len(log["heldout_eval"]["acc_per_depth"]) in (0, 16)
+    assert "DSpark drafter for SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+
+    m = train_drafter.DSparkDrafter(cfg)
+    m.load_state_dict({k: v.float() for k, v in w.items()})
+    target = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(100, 40000, (40,), generator=g)
+    args = type("Args", (), {"gamma": 7.0, "anchors": 3})()
+    tr = train_drafter.Trainer(target, m, cfg["dflash_config"]["target_layer_ids"], 16, 2, args,
+                               torch.device("cpu"), None)
+    assert (tr.shift, tr.first, tr.depths) == (1, 0, 16)
+    batch = tr.batch([seq], [1], g)
+    with torch.no_grad():
+        feats, lab = tr.target_pass(batch, "target")
+        greedy = target(seq[None]).logits[0].argmax(-1)
+        a = int(batch["anchors"][0, 0])
+        k = min(16, 39 - a)  # slot j predicts position a + j + 1: the greedy token at a + j
+        assert lab[0, 0, :k].tolist() == greedy[a:a + k].tolist()
+        assert batch["valid"][0, 0].sum() == k
+        assert batch["blk_pos"][0, :16].tolist() == list(range(a, a + 16))
+        prev = torch.cat([seq[a:a + 1], lab[0, 0, :15]])
+        want = markov_bias(w["markov_head.markov_w1.weight"].float(),
+                           w["markov_head.markov_w2.weight"].float(), prev)
+        torch.testing.assert_close(m.markov_bias(prev), want, atol=1e-5, rtol=1e-5)
+        loss, hit, valid = tr.loss(batch)
+    assert hit.shape == valid.shape == (1, 3, 16) and torch.isfinite(loss)

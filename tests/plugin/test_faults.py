@@ -142,7 +142,7 @@ def test_truncated_safetensors(tiny, tmp_path: Path) -> None:
     ({"num_hidden_layers": "five"},
      r"has num_hidden_layers='five': it must be an integer >= 1"),
     ({"block_size": None},
-     r"config.json has block_size=None; a DFlash drafter needs an integer block_size >= 2"),
+     r"config.json has block_size=None; a block drafter needs an integer block_size >= 2"),
     ({"hidden_size": "128"}, r"has hidden_size='128': it must be an integer >= 1"),
     ({"num_attention_heads": 4.5}, r"has num_attention_heads=4.5"),
     ({"vocab_size": True}, r"has vocab_size=True"),
