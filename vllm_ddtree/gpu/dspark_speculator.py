@@ -39,8 +39,8 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         if not self.sample_from_anchor:  # refused at config time; a guard for other paths
-            raise ValueError("vllm-ddtree: DSpark drafters with dspark_bonus_anchor are "
-                             "not supported")
+            raise ValueError("vllm-ddtree: DSpark drafters with the 1 + N fill-in block "
+                             "are not supported")
         # DSpark sized these for B query slots; the tree's drafter pass has D
         self.num_query_per_req = self.max_depth
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64,
