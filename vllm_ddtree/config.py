@@ -455,7 +455,8 @@ def _get(cfg: dict[str, Any], key: str) -> Any:
 _POSITIVE_INT_FIELDS = (
     "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-    "num_target_layers", "target_hidden_size", "draft_vocab_size",
+    "num_target_layers", "target_hidden_size", "draft_vocab_size", "markov_rank",
+    "dspark_block_size",
 )
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
 
@@ -525,8 +526,8 @@ def _check_dspark_fields(drafter: dict[str, Any], where: str) -> int | None:
             f"{where} is a DSpark drafter with architectures={archs!r}: method='ddtree' "
             f"drafts with {sorted(DSPARK_ARCHITECTURES)} checkpoints. Serve this one with "
             "method='dspark' (vLLM's chain).")
-    rank = drafter.get("markov_rank")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    rank = drafter.get("markov_rank")  # its type and bound: check_drafter_types
+    if rank is None:
         raise DDTreeConfigError(
             f"{where}: a DSpark drafter needs an integer markov_rank >= 1 in config.json, "
             f"got {rank!r}.")
@@ -539,12 +540,7 @@ def _check_dspark_fields(drafter: dict[str, Any], where: str) -> int | None:
                 f"{where} has {key}={str(value).lower()} (the 1 + N fill-in block): "
                 "method='ddtree' drafts with DSpark's anchor-as-first layout only. "
                 "Serve this checkpoint with method='dspark'.")
-    block = drafter.get("dspark_block_size")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int)
-                              or block < 1):
-        raise DDTreeConfigError(
-            f"{where} has dspark_block_size={block!r}: it must be an integer >= 1.")
-    return block
+    return drafter.get("dspark_block_size")  # its type and bound: check_drafter_types
 
 
 def check_drafter(drafter: dict[str, Any], target: TargetInfo, model: str) -> DrafterInfo:

@@ -439,6 +439,8 @@ def test_truncated_or_corrupt_drafter_weights(target_config: Any, tmp_path: Path
         ),
         ({"architectures": ["Gemma4DSparkModel"]}, (), "drafts with \\['Qwen3DSparkModel'\\]"),
         ({"architectures": ["Qwen3DSparkModel"]}, (), "integer markov_rank >= 1"),
+        ({"architectures": ["Qwen3DSparkModel"], "markov_rank": 0}, (),
+         "markov_rank=0: it must be an integer >= 1"),
         (
             {"architectures": ["Qwen3DSparkModel"], "markov_rank": 8,
              "dspark_bonus_anchor": True}, (), "anchor-as-first layout only",
