@@ -492,24 +492,32 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
+def build_methods(wanted: list, budgets: list, drafter: str, k: int,
+                  dspark: tuple[str, int] | None = None) -> list:
     """``(name, speculative_config or None, verify rows per request)`` per engine of
     ``--methods``; ``ValueError`` for an unknown one.  A method with the suffix
     ``@inproc`` is the same engine with vLLM's engine core in-process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), named with the suffix; ``@base``: the same
-    engine running the package copy in ``--base-src`` (before/after in one run)."""
+    engine running the package copy in ``--base-src`` (before/after in one run).
+    ``dspark``: ``(DSpark drafter, its block size)`` for the methods ``dspark`` (vLLM's
+    DSpark chain, one draft per block slot) and ``dspark-ddtree-N`` (DDTree of budget N
+    over that drafter)."""
     for suffix in (INPROC, BASE):
         marked = [m[: -len(suffix)] for m in wanted if m.endswith(suffix)]
         if marked:
             plain = [m for m in wanted if not m.endswith(suffix)]
-            return ((build_methods(plain, budgets, drafter, k) if plain else [])
+            return ((build_methods(plain, budgets, drafter, k, dspark) if plain else [])
                     + [(n + suffix, spec, w)
-                       for n, spec, w in build_methods(marked, budgets, drafter, k)])
+                       for n, spec, w in build_methods(marked, budgets, drafter, k, dspark)])
     fixed = [m for m in wanted if re.fullmatch(r"ddtree-[1-9][0-9]*", m)]  # static budget N
-    unknown = (set(wanted) - set(fixed)
+    on_dspark = [m for m in wanted if m == "dspark"
+                 or re.fullmatch(r"dspark-ddtree-[1-9][0-9]*", m)]
+    unknown = (set(wanted) - set(fixed) - set(on_dspark)
                - {"ar", "dflash", "dflash2", "ddtree", "ddtree-auto", "ddtree-online"})
     if unknown:
         raise ValueError(f"unknown --methods {sorted(unknown)}")
+    if on_dspark and dspark is None:
+        raise ValueError(f"--methods {on_dspark} need --dspark-drafter")
     methods = [("ar", None, 1)] if "ar" in wanted else []
     dflash = {"method": "dflash", "model": drafter, "num_speculative_tokens": k}
     if "dflash" in wanted:
@@ -525,6 +533,13 @@ def build_methods(wanted: list, budgets: list, drafter: str, k: int) -> list:
             methods.append((name, {"method": "ddtree", "model": drafter,
                                    "num_speculative_tokens": max(budgets),
                                    "ddtree_adaptive_budget": mode}, 1 + max(budgets)))
+    if "dspark" in wanted:
+        path, block = dspark
+        methods.append(("dspark", {"method": "dspark", "model": path,
+                                   "num_speculative_tokens": block}, 1 + block))
+    for b in sorted({int(m.rsplit("-", 1)[1]) for m in on_dspark if m != "dspark"}):
+        methods.append((f"dspark-ddtree-{b}", {"method": "ddtree", "model": dspark[0],
+                                               "num_speculative_tokens": b}, 1 + b))
     return methods
 
 
@@ -532,6 +547,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--dspark-drafter", type=Path, default=None,
+                    help="a DSpark drafter for the same target (methods dspark, "
+                         "dspark-ddtree-N)")
     ap.add_argument("--fixture", help="use the project's tiny pair of this variant instead")
     ap.add_argument("--out", default="throughput-out")
     ap.add_argument("--budgets", default="16,32,64")
@@ -549,7 +567,9 @@ def main(argv=None) -> int:
                          "two identical engines differ), ddtree (one engine per budget), "
                          "ddtree-N (one engine of static budget N), ddtree-auto (adaptive "
                          "budget up to the largest of --budgets), ddtree-online (the same, "
-                         "re-tuned from the trees' expected acceptance); any of them with "
+                         "re-tuned from the trees' expected acceptance), dspark (vLLM's "
+                         "DSpark chain over --dspark-drafter), dspark-ddtree-N (DDTree of "
+                         "budget N over it); any of them with "
                          "the suffix @inproc: vLLM's engine core in-process, or @base: the package "
                          "copy in --base-src")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke settings (fp32, eager)")
@@ -608,8 +628,12 @@ def main(argv=None) -> int:
     budgets = [int(x) for x in args.budgets.split(",")]
     block = json.loads((Path(args.drafter) / "config.json").read_text()).get("block_size", 16)
     k = args.dflash_k or block - 1
+    dspark = None
+    if args.dspark_drafter:
+        cfg = json.loads((args.dspark_drafter / "config.json").read_text())
+        dspark = (str(args.dspark_drafter), cfg.get("block_size", 16))
     try:
-        methods = build_methods(args.methods.split(","), budgets, str(args.drafter), k)
+        methods = build_methods(args.methods.split(","), budgets, str(args.drafter), k, dspark)
     except ValueError as e:
         ap.error(str(e))
     prompts = load_prompts(args.prompts, args.num_prompts)
@@ -624,7 +648,8 @@ def main(argv=None) -> int:
     with tqdm(total=len(methods) * len(args.batches) * len(args.temps), desc="benchmark") as bar:
         rows = run_methods(args, methods, prompts, bar)
     add_ratios(rows, paired=not args.sequential)
-    meta = dict(target=str(args.target), drafter=str(args.drafter), dtype=args.dtype, tp=args.tp,
+    meta = dict(target=str(args.target), drafter=str(args.drafter),
+                dspark_drafter=dspark and dspark[0], dtype=args.dtype, tp=args.tp,
                 eager=args.eager, max_tokens=args.max_tokens, dflash_k=k,
                 repeats=args.repeats, interleaved=not args.sequential,
                 gpu_mem_per_engine=args.gpu_mem, topk_prune=True,  # build_tree's default

@@ -77,9 +77,21 @@ def test_methods_static_budgets_and_adaptive_maximum():
     assert names(ms) == [("dflash", 16), ("ddtree-15", 16), ("dflash@inproc", 16),
                          ("ddtree-15@inproc", 16)]
     assert ms[3][1] == ms[1][1]
-    for bad in (["ddtree-0"], ["ddtree-x"], ["eagle"], ["eagle@inproc"]):
+    for bad in (["ddtree-0"], ["ddtree-x"], ["eagle"], ["eagle@inproc"], ["dspark-ddtree-0"]):
         with pytest.raises(ValueError, match="unknown --methods"):
             build_methods(bad, [15], "D", 15)
+
+
+def test_methods_over_a_dspark_drafter():
+    ms = build_methods(["dflash", "ddtree-15", "dspark", "dspark-ddtree-15"], [15], "D", 15,
+                       ("S", 16))
+    assert [(n, w) for n, _, w in ms] == [("dflash", 16), ("ddtree-15", 16), ("dspark", 17),
+                                          ("dspark-ddtree-15", 16)]
+    assert ms[2][1] == {"method": "dspark", "model": "S", "num_speculative_tokens": 16}
+    assert ms[3][1] == {"method": "ddtree", "model": "S", "num_speculative_tokens": 15}
+    assert ms[1][1]["model"] == "D"
+    with pytest.raises(ValueError, match="need --dspark-drafter"):
+        build_methods(["dspark-ddtree-15"], [15], "D", 15)
 
 
 def test_stalls_are_gaps_over_five_medians_and_never_the_prefill():
