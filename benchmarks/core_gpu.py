@@ -7,6 +7,12 @@ Usage (one H200, no vLLM needed):  python3 -m benchmarks.core_gpu [--out DIR]
 2. Median time (CUDA events) of build + walk + layout for R in {1, 8, 64}, D = 15,
    V = 151936, budgets {16, 64, 256, 1024}, eager and replayed as one CUDA graph.
 3. The Triton tree-attention kernel against the torch reference (error and time).
+
+``--conditioned`` instead: the tree with parent-conditioned children (a DSpark drafter's
+Markov head, :func:`vllm_ddtree.tree.build_conditioned_tree`) on CUDA against the heap
+oracle (ties included), and its time at the SmolLM2 DSpark drafter's shape (D = 16,
+V = 49152, bf16 factors) against the DFlash tree of the same budget, with each depth's
+logits summed inside the top-k kernel ("fused") and written out first ("written").
 """
 
 from __future__ import annotations
@@ -139,12 +145,102 @@ def check_attention():
     return rows
 
 
+def check_conditioned() -> list[tuple]:
+    """CUDA build against the heap oracle: half-integer inputs, so every bias is exact
+    whatever the summation order (``spread`` 1: ties everywhere)."""
+    import functools
+
+    from vllm_ddtree.tree.conditioned import build_conditioned_tree, markov_bias
+    from vllm_ddtree.tree.reference import build_conditioned_tree_heap
+
+    rows = []
+    for seed, (R, D, V, B, spread) in enumerate([(3, 5, 3000, 15, 1), (3, 6, 3000, 31, 8),
+                                                 (2, 4, 40, 63, 1)]):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randint(-spread, spread + 1, (R, D, V), generator=g).float() / 2
+        w1, w2 = (torch.randint(-2, 3, (V, 4), generator=g).float() / 2 for _ in range(2))
+        roots = torch.randint(0, V, (R,), generator=g)
+        bias = functools.partial(markov_bias, w1.cuda(), w2.cuda())
+        tree = build_conditioned_tree(base.cuda(), roots.cuda(), bias, B)
+        ok = True
+        for r in range(R):
+            want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, B)
+            n = int(tree.num_nodes[r])
+            got = list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
+                           tree.depths[r, :n].tolist()))
+            ok &= got == want
+        rows.append((R, D, V, B, spread, ok))
+    return rows
+
+
+def _graph_ms(step: Callable[[], object]) -> float:
+    """Median ms of ``step`` replayed as one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_ms(graph.replay)
+
+
+def time_conditioned() -> list[tuple]:
+    """ms per build in a CUDA graph: DFlash tree, conditioned tree fused and written."""
+    from unittest import mock
+
+    from vllm_ddtree.tree import conditioned
+
+    def written(x, k, add=None, **kw):  # the per-depth sum materialized, then the top-k
+        if add is not None:
+            x = x.float() + add.float().unsqueeze(1)
+        return depth_candidates(x, k, **kw)
+
+    from vllm_ddtree.tree.build import depth_candidates
+
+    rows = []
+    D, V, B = 16, 49152, 15
+    for rank in (16, 64):
+        w1 = (torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16()
+        w2 = torch.randn(V, rank, device="cuda").bfloat16()
+
+        def bias(t):  # the model's head: a bf16 GEMM, as vLLM's logits processor gives
+            return w1[t] @ w2.T
+
+        for R in (1, 8, 32):
+            base = (2 * torch.randn(R, D, V, device="cuda")).bfloat16()
+            roots = torch.randint(0, V, (R,), device="cuda")
+            dflash = _graph_ms(lambda: build_tree(base, B, inplace=True))
+            fused = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
+            with mock.patch.object(conditioned, "depth_candidates", written):
+                old = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
+            rows.append((rank, R, dflash, old, fused))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--conditioned", action="store_true",
+                    help="only the tree with parent-conditioned children")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
+    if args.conditioned:
+        exact, timing = check_conditioned(), time_conditioned()
+        with open(os.path.join(args.out, "core_gpu_conditioned.json"), "w") as f:
+            json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing),
+                      f, indent=1)
+        print("| R | D | V | budget | spread | equals the heap oracle |\n|---|---|---|---|---|---|")
+        for r in exact:
+            print("| " + " | ".join(str(x) for x in r) + " |")
+        print("\nms per build, one CUDA graph; D = 16, V = 49152, budget 15")
+        print("| rank | R | DFlash tree | conditioned, written | conditioned, fused |\n"
+              "|---|---|---|---|---|")
+        for rank, R, a, b, c in timing:
+            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} |")
+        return
     exact = check_exact()
     timing = time_core(torch.bfloat16) + time_core(torch.float32)
     attn = check_attention()

@@ -218,6 +218,34 @@ def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
     assert torch.equal(depth_candidates(x, k, with_nonfinite=True)[2], want)
 
 
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
+                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("topk_pruned,k", [(False, 5), (True, 16), (True, 70)])
+def test_cuda_candidates_add_a_shared_term_as_if_written_out(topk_pruned, k):
+    """``add`` (a row per request, shared by its D rows, as the conditioned build passes
+    the depth's base logits under each parent's Markov bias): the same candidates,
+    log-probabilities and non-finite flags as the float32 sum written out, from bf16
+    rows with ties (k = 70: beyond the kernel, the written-out fallback, whose torch top-k orders
+    ties by index on CUDA only: no ties there)."""
+    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+
+    dev = "cuda" if _ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randint(-2, 3, (2, 3, 3000), generator=gen).bfloat16() if k <= 64  # ties
+         else torch.randn(2, 3, 3000, generator=gen))
+    base = (torch.randint(0, 3, (2, 6000), generator=gen) / 2)[:, ::2]  # strided
+    x[0, 1, 17] = float("nan")
+    base[1, 2999] = float("inf")  # every row of request 1 gets it
+    want = depth_candidates(x.float() + base.unsqueeze(1), k, with_nonfinite=True)
+    assert torch.equal(want[2], torch.tensor([[False, True, False], [True, True, True]]))
+    cpu = depth_candidates(x, k, with_nonfinite=True, add=base)
+    got = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned, with_nonfinite=True,
+                                 add=base.to(dev))
+    assert all(torch.equal(c, w) for c, w in zip(cpu, want))
+    assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[2].cpu(), want[2])
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-5, rtol=1e-5)  # chunked lse
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_build_keeps_each_depths_best_token_and_nonfinite_requests(impl):
     """build_tree's by-products: ``top1`` is the drafter's chain (argmax per depth, ties

@@ -45,11 +45,15 @@ def topk_lse_max_k(pruned: bool) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _load_sanitized(X, row, c, stride, V, big, CHUNK: tl.constexpr):
+    def _load_sanitized(X, A, row, c, stride, a_stride, a_group, V, big,
+                        CHUNK: tl.constexpr, HAS_ADD: tl.constexpr):
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ok = offs < V
         x = tl.load(X + row.to(tl.int64) * stride + offs, mask=ok, other=float("-inf"))
         x = x.to(tl.float32)
+        if HAS_ADD:  # the row's shared term (float32 sum, then sanitized)
+            a_row = (row // a_group).to(tl.int64)
+            x += tl.load(A + a_row * a_stride + offs, mask=ok, other=0.0).to(tl.float32)
         bad = ok & ((x != x) | (tl.abs(x) == float("inf")))  # NaN or +-inf
         x = tl.where(x != x, float("-inf"), x)
         x = tl.where(x == float("inf"), big, x)
@@ -64,16 +68,18 @@ if HAS_TRITON:
         tl.store(NF + row * n_chunks + c, tl.max(bad.to(tl.int32), 0))
 
     @triton.jit
-    def _chunk_max_sum_kernel(X, M, S, NF, V, stride, n_chunks, big, CHUNK: tl.constexpr):
+    def _chunk_max_sum_kernel(X, A, M, S, NF, V, stride, a_stride, a_group, n_chunks, big,
+                              CHUNK: tl.constexpr, HAS_ADD: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
-        x, offs, ok, bad = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        x, offs, ok, bad = _load_sanitized(X, A, row, c, stride, a_stride, a_group, V, big,
+                                           CHUNK, HAS_ADD)
         _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
 
     @triton.jit
-    def _chunk_topk_kernel(X, KEYS, M, S, NF, T, V, stride, n_chunks, big,
-                           K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
-                           PRUNED: tl.constexpr):
+    def _chunk_topk_kernel(X, A, KEYS, M, S, NF, T, V, stride, a_stride, a_group, n_chunks,
+                           big, K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
+                           PRUNED: tl.constexpr, HAS_ADD: tl.constexpr):
         row = tl.program_id(0)
         c = tl.program_id(1)
         slots = tl.arange(0, KP)
@@ -84,7 +90,8 @@ if HAS_TRITON:
             if tl.load(M + row * n_chunks + c) < t:  # no entry of this chunk can make it
                 tl.store(out, res, mask=slots < K)
                 return
-        x, offs, ok, bad = _load_sanitized(X, row, c, stride, V, big, CHUNK)
+        x, offs, ok, bad = _load_sanitized(X, A, row, c, stride, a_stride, a_group, V, big,
+                                           CHUNK, HAS_ADD)
         if not PRUNED:
             _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
         bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 -> +0.0
@@ -116,6 +123,7 @@ def topk_lse(
     chunk: int | None = None,
     pruned: bool = True,
     return_nonfinite: bool = False,
+    add: torch.Tensor | None = None,  # [rows // group, V], last dim contiguous
 ) -> tuple[torch.Tensor, ...]:
     """Per row, the ``k`` best sanitized values and their token ids, and the log-sum-exp.
 
@@ -124,30 +132,40 @@ def topk_lse(
     ``return_nonfinite`` also ``nonfinite [rows] bool``: the row held a NaN or an inf
     (found in the same pass over the logits).  ``pruned``: the variant (module
     docstring); ``k <= topk_lse_max_k(pruned)``.  ``chunk``: vocabulary entries per
-    program (default: the variant's).  No host sync.
+    program (default: the variant's).  ``add``: a term shared by groups of consecutive
+    rows, row ``i`` taking ``x[i] + add[i // group]`` (float32 sum, then sanitized), as
+    if that sum were ``x``, without writing it.  No host sync.
     """
     rows, V = x.shape
     assert x.stride(1) == 1 and 0 < k <= min(topk_lse_max_k(pruned), V)
+    if add is not None:
+        assert add.dim() == 2 and add.shape[1] == V and add.stride(1) == 1
+        assert add.shape[0] > 0 and rows % add.shape[0] == 0
     chunk = chunk or (_prune_chunk(V, k) if pruned else 4096)
     n_chunks = triton.cdiv(V, chunk)
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=x.device)
     chunk_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     chunk_sum = torch.empty_like(chunk_max)  # sum of exp(x - chunk max)
     chunk_bad = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
-    big = min(float(torch.finfo(x.dtype).max), float(torch.finfo(torch.float32).max))
+    sum_dtype = torch.float32 if add is not None else x.dtype
+    big = min(float(torch.finfo(sum_dtype).max), float(torch.finfo(torch.float32).max))
+    a, a_stride, a_group = ((add, add.stride(0), rows // add.shape[0]) if add is not None
+                            else (x, 0, 1))
     bound = chunk_max  # [rows] when pruned; unread otherwise
     if rows:
         grid = (rows, n_chunks)
         if pruned:
-            _chunk_max_sum_kernel[grid](x, chunk_max, chunk_sum, chunk_bad, V, x.stride(0),
-                                        n_chunks, big, CHUNK=chunk, num_warps=8)
+            _chunk_max_sum_kernel[grid](x, a, chunk_max, chunk_sum, chunk_bad, V, x.stride(0),
+                                        a_stride, a_group, n_chunks, big, CHUNK=chunk,
+                                        HAS_ADD=add is not None, num_warps=8)
             if n_chunks >= k:
                 bound = torch.topk(chunk_max, k, dim=-1).values[:, k - 1].contiguous()
             else:  # fewer chunks than k: no bound
                 bound = torch.full((rows,), float("-inf"), device=x.device)
         _chunk_topk_kernel[grid](
-            x, keys, chunk_max, chunk_sum, chunk_bad, bound, V, x.stride(0), n_chunks, big,
-            K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, PRUNED=pruned, num_warps=8)
+            x, a, keys, chunk_max, chunk_sum, chunk_bad, bound, V, x.stride(0), a_stride,
+            a_group, n_chunks, big, K=k, KP=triton.next_power_of_2(k), CHUNK=chunk,
+            PRUNED=pruned, HAS_ADD=add is not None, num_warps=8)
     top = torch.topk(keys, k, dim=-1).values  # unique keys: exact, sorted best first
     lse = torch.logsumexp(chunk_max + torch.log(chunk_sum), dim=-1)
     if return_nonfinite:

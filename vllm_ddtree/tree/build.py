@@ -148,6 +148,7 @@ def depth_candidates(
     inplace: bool = False,
     topk_pruned: bool = True,
     with_nonfinite: bool = False,
+    add: torch.Tensor | None = None,  # [R, V] shared by the R's D rows
 ) -> tuple[torch.Tensor, ...]:
     """Per depth, the ``k`` best tokens and their log-probabilities.
 
@@ -157,10 +158,15 @@ def depth_candidates(
     its own pass).  With ``inplace`` (CUDA) NaN/inf entries of ``draft_logits`` may be
     overwritten by their sanitized values (``nonfinite`` is read before).
     ``topk_pruned``: the CUDA top-k variant (see :func:`build_tree`); every variant
-    gives the same result.
+    gives the same result.  ``add``: the logits are ``draft_logits.float() +
+    add.float().unsqueeze(1)`` (on CUDA the sum is formed inside the top-k kernel, not
+    written out).
     """
     if draft_logits.is_cuda and HAS_TRITON:
-        return _depth_candidates_cuda(draft_logits, k, inplace, topk_pruned, with_nonfinite)
+        return _depth_candidates_cuda(draft_logits, k, inplace, topk_pruned, with_nonfinite,
+                                      add)
+    if add is not None:
+        draft_logits = draft_logits.float() + add.float().unsqueeze(1)
     nonfinite = ~torch.isfinite(draft_logits).all(dim=-1) if with_nonfinite else None
     x = sanitized_logits(draft_logits)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
@@ -206,13 +212,20 @@ def _depth_candidates_cuda(
     inplace: bool,
     topk_pruned: bool,
     with_nonfinite: bool = False,
+    add: torch.Tensor | None = None,  # [R, V]
 ) -> tuple[torch.Tensor, ...]:
     R, D, V = draft_logits.shape
     x = draft_logits.reshape(R * D, V)
     if k <= topk_lse_max_k(topk_pruned):  # chunked top-k keys: exact ties by construction
+        if add is not None and add.stride(1) != 1:
+            add = add.contiguous()
         vals, idx, lse, nonfinite = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
-                                             pruned=topk_pruned, return_nonfinite=True)
+                                             pruned=topk_pruned, return_nonfinite=True,
+                                             add=add)
     else:
+        if add is not None:  # written out: the fallback sanitizes in place
+            x = (draft_logits.float() + add.float().unsqueeze(1)).view(R * D, V)
+            inplace = True
         nonfinite = ~torch.isfinite(x).all(dim=-1) if with_nonfinite else None
         if not inplace or not x.is_contiguous():
             x = x.clone()

@@ -14,7 +14,9 @@ score the float32 sum of its nodes' log-probabilities.  A path is never more pro
 than its prefix, so the set is prefix-closed and the per-depth argument of :mod:`.build`
 holds unchanged: depth ``d + 1``'s top-``B`` lies among the children of depth ``d``'s
 top-``B``, a parent at position ``i`` contributing its ``B // (i + 1)`` best children.
-The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth.
+The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth
+(on CUDA the Markov bias is the only one written; the top-k kernel adds the depth's base
+logits as it reads it).
 
 Oracle: :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
 """
@@ -81,15 +83,16 @@ def build_conditioned_tree(
     def to_target(ids: torch.Tensor) -> torch.Tensor:
         return ids if draft_to_target is None else draft_to_target[ids]
 
-    def child_logits(d: int, parents: torch.Tensor) -> torch.Tensor:  # [R, n, V] float32
+    def candidates(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # children of each of parents [R, n]: the logits base[d] + bias(parent), summed
+        # in float32 inside the top-k kernel on CUDA (never written out as [R, n, V])
         n = parents.shape[1]
-        return (base_logits[:, d, :].float().unsqueeze(1)
-                + bias(parents.reshape(-1)).float().view(R, n, V))
+        return depth_candidates(bias(parents.reshape(-1)).view(R, n, V), K, inplace=True,
+                                with_nonfinite=True, add=base_logits[:, d, :])
 
     K = min(width, V)
     # depth 1: one distribution per request, conditioned on the root
-    lp, tok, bad = depth_candidates(child_logits(0, root_tokens.view(R, 1)), K, inplace=True,
-                                    with_nonfinite=True)  # [R, 1, K]
+    lp, tok, bad = candidates(0, root_tokens.view(R, 1))  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
     chain, nonfinite = [tokens[0][:, 0]], bad[:, 0]
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
@@ -100,8 +103,7 @@ def build_conditioned_tree(
         # chain's last token rides along as one more parent (column n), outside the pairs
         n = tokens[-1].shape[1]
         parents = torch.cat([tokens[-1], chain[-1].unsqueeze(1)], dim=1)  # [R, n + 1]
-        lp, tok, bad = depth_candidates(child_logits(d, parents), K, inplace=True,
-                                        with_nonfinite=True)
+        lp, tok, bad = candidates(d, parents)
         chain.append(to_target(tok[:, n, 0]))
         nonfinite = nonfinite | bad.any(dim=1)
         pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
