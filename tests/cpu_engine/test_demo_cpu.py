@@ -24,11 +24,36 @@ from vllm_ddtree.demo.smollm import drafter_dir
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_shipped_drafter_files():
-    d = drafter_dir()
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_shipped_drafter_files(family):
+    d = drafter_dir(family)
     for name in ("config.json", "model.safetensors", "README.md", "training_log.json"):
         assert (d / name).is_file(), f"{d / name} missing"
     assert (d / "model.safetensors").stat().st_size > 20e6  # not a Git LFS pointer
+
+
+def test_shipped_dspark_drafter_is_the_dflash_backbone_plus_a_markov_head():
+    """The DSpark drafter is detected as vLLM detects it, and its tensors are the DFlash
+    drafter's (same names and shapes) plus the rank-16 Markov head over the vocabulary."""
+    import json
+
+    from safetensors import safe_open
+
+    from vllm_ddtree.config import is_dspark_drafter
+
+    def shapes(family):
+        with safe_open(str(drafter_dir(family) / "model.safetensors"), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    cfg = json.loads((drafter_dir("dspark") / "config.json").read_text())
+    assert is_dspark_drafter(cfg) and not is_dspark_drafter(
+        json.loads((drafter_dir() / "config.json").read_text()))
+    dflash, dspark = shapes("dflash"), shapes("dspark")
+    head = {k: v for k, v in dspark.items() if k not in dflash}
+    assert {k: v for k, v in dspark.items() if k in dflash} == dflash
+    V, r = cfg["vocab_size"], cfg["markov_rank"]
+    assert head == {"markov_head.markov_w1.weight": (V, r),
+                    "markov_head.markov_w2.weight": (V, r)}
 
 
 def test_demo_on_the_real_pair():

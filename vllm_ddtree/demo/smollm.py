@@ -69,13 +69,16 @@ def default_dir() -> Path:
 ENV_DRAFTER = "VLLM_DDTREE_SMOLLM_DRAFTER"
 
 
-def drafter_dir() -> Path:
-    """The DFlash drafter trained for this target by ``scripts/train_drafter.py``, shipped
-    in the package (``vllm_ddtree/demo/assets/smollm2-135m-dflash``, model card inside), or
-    ``$VLLM_DDTREE_SMOLLM_DRAFTER``."""
-    env = os.environ.get(ENV_DRAFTER)
+def drafter_dir(family: str = "dflash") -> Path:
+    """A drafter trained for this target by ``scripts/train_drafter.py`` and shipped in
+    the package, model card inside: ``vllm_ddtree/demo/assets/smollm2-135m-dflash`` (or
+    ``$VLLM_DDTREE_SMOLLM_DRAFTER``) or, ``family="dspark"`` (GPU only),
+    ``.../smollm2-135m-dspark``."""
+    if family not in ("dflash", "dspark"):
+        raise ValueError(f"drafter family must be 'dflash' or 'dspark', got {family!r}")
+    env = os.environ.get(ENV_DRAFTER) if family == "dflash" else None
     return (Path(env).expanduser() if env
-            else Path(__file__).parent / "assets" / "smollm2-135m-dflash")
+            else Path(__file__).parent / "assets" / f"smollm2-135m-{family}")
 
 
 def find_gguf() -> Path:
