@@ -43,7 +43,8 @@ def test_shipped_dspark_drafter_is_the_dflash_backbone_plus_a_markov_head():
 
     def shapes(family):
         with safe_open(str(drafter_dir(family) / "model.safetensors"), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            names = f.keys()  # safe_open has keys() but is not iterable
+            return {k: tuple(f.get_slice(k).get_shape()) for k in names}
 
     cfg = json.loads((drafter_dir("dspark") / "config.json").read_text())
     assert is_dspark_drafter(cfg) and not is_dspark_drafter(
