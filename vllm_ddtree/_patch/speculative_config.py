@@ -166,6 +166,7 @@ def _make_post_init(original: Any) -> Any:
         method = _base_method(self, drafter)
         if method == ddcfg.DSPARK_METHOD:
             _check_dspark_platform()
+        ddcfg.check_no_draft_topk(getattr(self, "dspark_draft_topk", None))  # vLLM 0.33+
         # From here on vLLM sees DFlash (or DSpark) with num_speculative_tokens = B.
         self.method = method
         setattr(self, ddcfg.MARKER_FIELD, True)

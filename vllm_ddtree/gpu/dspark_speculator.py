@@ -54,8 +54,8 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
             self._draft_to_target = torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
     def _markov_bias(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """[N] int64 target ids -> [N, V_draft]: the model's own Markov head (vocabulary
-        parallel under TP, gathered by its logits processor, as vLLM's sampler uses it)."""
+        """[N] int64 target ids -> [N, V_draft]: the model's own Markov head, whole
+        (through its logits processor, as vLLM's DSpark sampler uses it)."""
         return self.model.markov_bias(self.model.markov_embed(prev_tokens))
 
     def _draft_tree(

@@ -18,8 +18,9 @@ drawn from a full row, with its children masked (:func:`draw_stop_tokens`).  Gre
 take the argmax (lowest id on ties) as before.
 
 Randomness: a row's ``u`` is keyed by (request seed, row position), as vLLM keys its
-Gumbel noise, at a counter (``vocab_size``) that no vocabulary entry's noise uses; rows
-of one depth share it, and only one of them lies on a path.
+Gumbel noise, and drawn apart from that noise (Philox at counter ``vocab_size``: vLLM
+0.26 draws entry ``v``'s noise at counter ``v``, 0.33 hashes (seed, position, token)
+instead); rows of one depth share it, and only one of them lies on a path.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ if HAS_TRITON:
         else:
             seed = tl.load(SEEDS + state)
             pos = tl.load(POS + row)
-            u = tl.rand(tl.randint(seed, pos), V)  # counter V: no vocabulary entry's
+            u = tl.rand(tl.randint(seed, pos), V)  # counter V: apart from the noise
         first = tl.min(tl.where(child & (u < cum), j, BLOCK_B), axis=0)
         chosen = tl.sum(tl.where(j == first, tok, 0), axis=0)
         tl.store(OUT + row, tl.where(first < BLOCK_B, chosen, NO_CHILD_TL))
