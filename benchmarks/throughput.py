@@ -4,6 +4,8 @@
         [--budgets 16,32,64] [--batches 1,2,4,8,16,32,64] [--temps 0,1] [--max-tokens 128]
         [--repeats 3] [--profile [--trace]]
     python3 -m benchmarks.throughput --fixture tree_beats_chain --cpu --out DIR   # CPU smoke
+    python3 -m benchmarks.throughput --target T --drafter D --dspark-drafter S --out DIR \
+        --methods dflash,ddtree-15,dspark,dspark-ddtree-15      # both drafter families (GPU)
 
 One engine per method (same target, same drafter, same prompts, same device), each in its
 own child process.  By default every engine is started (one at a time) and the cells are
