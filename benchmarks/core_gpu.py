@@ -80,6 +80,19 @@ def median_ms(fn: Callable[[], object], iters: int = 30) -> float:
     return statistics.median(ts)
 
 
+def _graph_ms(step: Callable[[], object]) -> float:
+    """Median ms of ``step`` replayed as one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_ms(graph.replay)
+
+
 def time_core(dtype):
     rows = []
     V, D = 151936, 15
@@ -96,18 +109,9 @@ def time_core(dtype):
                     lay = tree_layout(tree, root)
                     return tree, acc, lay
 
-                eager = median_ms(step)
-                # The whole step as one CUDA graph (as inside vLLM's captured decode step).
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    step()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                res += [eager, median_ms(graph.replay)]
-                del graph
+                # eager, then the whole step as one CUDA graph (as inside vLLM's
+                # captured decode step)
+                res += [median_ms(step), _graph_ms(step)]
             # candidates only (log-softmax + per-depth top-k): the part left outside Triton
             from vllm_ddtree.tree.build import depth_candidates
             cand = median_ms(lambda: depth_candidates(logits, min(B, V)))
@@ -171,19 +175,6 @@ def check_conditioned() -> list[tuple]:
             ok &= got == want
         rows.append((R, D, V, B, spread, ok))
     return rows
-
-
-def _graph_ms(step: Callable[[], object]) -> float:
-    """Median ms of ``step`` replayed as one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return median_ms(graph.replay)
 
 
 def time_conditioned() -> list[tuple]:
