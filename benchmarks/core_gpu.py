@@ -159,7 +159,7 @@ def check_conditioned() -> list[tuple]:
 
     rows = []
     for seed, (R, D, V, B, spread) in enumerate([(3, 5, 3000, 15, 1), (3, 6, 3000, 31, 8),
-                                                 (2, 4, 40, 63, 1)]):
+                                                 (2, 4, 40, 63, 1), (2, 4, 3000, 80, 1)]):
         g = torch.Generator().manual_seed(seed)
         base = torch.randint(-spread, spread + 1, (R, D, V), generator=g).float() / 2
         w1, w2 = (torch.randint(-2, 3, (V, 4), generator=g).float() / 2 for _ in range(2))

@@ -225,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.add_argument("--check", action="store_true",
                    help="greedy-decode one prompt with transformers")
-    p.add_argument("--drafter", action="store_true",
-                   help="print the shipped DFlash drafter's folder instead (no conversion)")
+    p.add_argument("--drafter", nargs="?", const="dflash", choices=("dflash", "dspark"),
+                   help="print a shipped drafter's folder instead (no conversion): the "
+                        "DFlash one, or --drafter dspark")
     args = p.parse_args(argv)
     if args.drafter:
-        print(drafter_dir())
+        print(drafter_dir(args.drafter))
         return 0
     try:
         out = ensure_smollm(args.out, args.gguf, force=args.force)

@@ -140,7 +140,7 @@ def topk_lse(
     assert x.stride(1) == 1 and 0 < k <= min(topk_lse_max_k(pruned), V)
     if add is not None:
         assert add.dim() == 2 and add.shape[1] == V and add.stride(1) == 1
-        assert add.shape[0] > 0 and rows % add.shape[0] == 0
+        assert rows % max(add.shape[0], 1) == 0
     chunk = chunk or (_prune_chunk(V, k) if pruned else 4096)
     n_chunks = triton.cdiv(V, chunk)
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=x.device)
@@ -149,8 +149,8 @@ def topk_lse(
     chunk_bad = torch.empty((rows, n_chunks), dtype=torch.int32, device=x.device)
     sum_dtype = torch.float32 if add is not None else x.dtype
     big = min(float(torch.finfo(sum_dtype).max), float(torch.finfo(torch.float32).max))
-    a, a_stride, a_group = ((add, add.stride(0), rows // add.shape[0]) if add is not None
-                            else (x, 0, 1))
+    a, a_stride, a_group = ((add, add.stride(0), rows // max(add.shape[0], 1))
+                            if add is not None else (x, 0, 1))
     bound = chunk_max  # [rows] when pruned; unread otherwise
     if rows:
         grid = (rows, n_chunks)
