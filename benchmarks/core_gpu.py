@@ -12,7 +12,8 @@ Usage (one H200, no vLLM needed):  python3 -m benchmarks.core_gpu [--out DIR]
 Markov head, :func:`vllm_ddtree.tree.build_conditioned_tree`) on CUDA against the heap
 oracle (ties included), and its time at the SmolLM2 DSpark drafter's shape (D = 16,
 V = 49152, bf16 factors) against the DFlash tree of the same budget, with each depth's
-logits summed inside the top-k kernel ("fused") and written out first ("written").
+logits summed inside the top-k kernel ("fused") and written out first ("written"), and
+each depth's selection in torch or in one Triton launch (``impl="triton"``).
 """
 
 from __future__ import annotations
@@ -165,15 +166,18 @@ def check_conditioned() -> list[tuple]:
         w1, w2 = (torch.randint(-2, 3, (V, 4), generator=g).float() / 2 for _ in range(2))
         roots = torch.randint(0, V, (R,), generator=g)
         bias = functools.partial(markov_bias, w1.cuda(), w2.cuda())
-        tree = build_conditioned_tree(base.cuda(), roots.cuda(), bias, B)
-        ok = True
-        for r in range(R):
-            want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, B)
-            n = int(tree.num_nodes[r])
-            got = list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
-                           tree.depths[r, :n].tolist()))
-            ok &= got == want
-        rows.append((R, D, V, B, spread, ok))
+        oks = []
+        for impl in ("torch", "triton"):
+            tree = build_conditioned_tree(base.cuda(), roots.cuda(), bias, B, impl=impl)
+            ok = True
+            for r in range(R):
+                want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, B)
+                n = int(tree.num_nodes[r])
+                got = list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
+                               tree.depths[r, :n].tolist()))
+                ok &= got == want
+            oks.append(ok)
+        rows.append((R, D, V, B, spread, *oks))
     return rows
 
 
@@ -206,7 +210,9 @@ def time_conditioned() -> list[tuple]:
             fused = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
             with mock.patch.object(conditioned, "depth_candidates", written):
                 old = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
-            rows.append((rank, R, dflash, old, fused))
+            select = _graph_ms(lambda: conditioned.build_conditioned_tree(
+                base, roots, bias, B, impl="triton"))
+            rows.append((rank, R, dflash, old, fused, select))
     return rows
 
 
@@ -223,14 +229,15 @@ def main():
         with open(os.path.join(args.out, "core_gpu_conditioned.json"), "w") as f:
             json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing),
                       f, indent=1)
-        print("| R | D | V | budget | spread | equals the heap oracle |\n|---|---|---|---|---|---|")
+        print("| R | D | V | budget | spread | equals the heap oracle: torch | triton |\n"
+              "|---|---|---|---|---|---|---|")
         for r in exact:
             print("| " + " | ".join(str(x) for x in r) + " |")
         print("\nms per build, one CUDA graph; D = 16, V = 49152, budget 15")
-        print("| rank | R | DFlash tree | conditioned, written | conditioned, fused |\n"
-              "|---|---|---|---|---|")
-        for rank, R, a, b, c in timing:
-            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} |")
+        print("| rank | R | DFlash tree | conditioned, written | conditioned, fused | fused, "
+              "Triton selection |\n|---|---|---|---|---|---|")
+        for rank, R, a, b, c, e in timing:
+            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} | {e:.3f} |")
         return
     exact = check_exact()
     timing = time_core(torch.bfloat16) + time_core(torch.float32)

@@ -6,6 +6,7 @@ bias is exact in float32 whatever the summation order: the oracle's per-node bia
 the batched one are the same numbers, and any difference is the build's."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ import torch
 from vllm_ddtree.tree import build_tree
 from vllm_ddtree.tree.conditioned import build_conditioned_tree, markov_bias
 from vllm_ddtree.tree.reference import build_conditioned_tree_heap
+
+# each depth's selection in torch, and in the Triton kernel where it can run here
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 or a GPU"))]
 
 
 def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: int):
@@ -38,9 +44,10 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("D,V,budget", [(1, 7, 3), (3, 12, 7), (4, 9, 15), (5, 40, 30),
                                         (6, 5, 63), (3, 24, 1)])
 @pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
-def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, impl):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget)
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, impl=impl)
     for r in range(3):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, budget)
         assert _nodes(tree, r) == want
@@ -49,12 +56,14 @@ def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed, impl):
     """A draft vocabulary of 10 ids inside a target vocabulary of 32: node tokens are
     target ids, and each child distribution is conditioned on its parent's target id."""
     base, w1, w2, roots = _case(seed, 2, 4, 10, rank=2, spread=4, v_target=32)
     d2t = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:10]
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 20, draft_to_target=d2t)
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 20, draft_to_target=d2t,
+                                  impl=impl)
     for r in range(2):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, 20,
                                            draft_to_target=d2t.tolist())
@@ -98,6 +107,8 @@ def test_budget_zero_and_shape_errors():
     assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
     with pytest.raises(ValueError, match=r"\[R, D, V\]"):
         build_conditioned_tree(base[0], roots, _bias(w1, w2), 4)
+    with pytest.raises(ValueError, match="impl must be 'torch' or 'triton'"):
+        build_conditioned_tree(base, roots, _bias(w1, w2), 4, impl="cuda")
 
 
 def _greedy_chain(base, root, w1, w2, d2t=None):
@@ -113,12 +124,14 @@ def _greedy_chain(base, root, w1, w2, d2t=None):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 4, 31])
-def test_top1_is_the_drafters_greedy_chain(seed, budget):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_top1_is_the_drafters_greedy_chain(seed, budget, impl):
     """``top1`` (the chain fallback) follows the Markov head from the root, even where
     the tree dropped the chain's nodes (budget 1 keeps one node)."""
     base, w1, w2, roots = _case(seed, 3, 5, 16, rank=2, spread=3, v_target=24)
     d2t = torch.randperm(24, generator=torch.Generator().manual_seed(seed))[:16]
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, draft_to_target=d2t)
+    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, draft_to_target=d2t,
+                                  impl=impl)
     for r in range(3):
         assert tree.top1[r].tolist() == _greedy_chain(base[r], int(roots[r]), w1, w2, d2t)
     assert not tree.nonfinite.any()

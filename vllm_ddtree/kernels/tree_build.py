@@ -6,6 +6,11 @@ candidate (parent, rank) pairs are scored, packed into int64 keys and sorted in 
 (``tl.sort``); the global top-``B`` is one more sort over the ``D`` per-depth sets.
 Replaces a few hundred small torch kernels with one launch.  Used for widths whose sorts
 fit one program.
+
+:func:`select_children_triton` is one depth of the same selection for trees whose
+children are conditioned on their parent (:mod:`vllm_ddtree.tree.conditioned`): there
+each depth's candidates depend on the previous depth's nodes, so the build takes one
+launch per depth instead of one per tree.
 """
 
 from __future__ import annotations
@@ -103,6 +108,79 @@ if HAS_TRITON:
         tl.store(OUT_PAR + out, tl.where(keep, parent, -1), mask=sel)
         tl.store(OUT_DEP + out, tl.where(keep, nd + 1, 0), mask=sel)
         tl.store(OUT_SCORE + out, tl.where(keep, _score(nkey), float("-inf")), mask=sel)
+
+
+    @triton.jit
+    def _select_children_kernel(
+        PREV, LP, TOK, D2T, PI, PR,
+        OUT_SCORE, OUT_POS, OUT_TOK, PARENTS,
+        npair, n, s_prev, K: tl.constexpr, WN: tl.constexpr, P2: tl.constexpr,
+        HAS_MAP: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        po = tl.arange(0, P2)
+        ok = po < npair
+        pi = tl.load(PI + po, mask=ok, other=0).to(tl.int64)
+        pr = tl.load(PR + po, mask=ok, other=0).to(tl.int64)
+        lp = LP + r * (n + 1) * K  # [n + 1, K] this request's candidates
+        tok = TOK + r * (n + 1) * K
+        prev = tl.load(PREV + r * s_prev + pi, mask=ok, other=0.0)
+        val = tl.load(lp + pi * K + pr, mask=ok, other=0.0)
+        key = tl.where(ok, _pack(prev + val, pi * K + pr), -9223372036854775807 - 1)
+        key = tl.sort(key, descending=True)
+        sel = po < WN
+        code = 4294967295 - (key & 4294967295)
+        ppos = code // K
+        t = tl.load(tok + ppos * K + code % K, mask=sel, other=0)
+        c = tl.load(tok + n * K)  # the chain's parent (column n): its best child
+        if HAS_MAP:
+            t = tl.load(D2T + t, mask=sel, other=0)
+            c = tl.load(D2T + c)
+        out = r * WN + po
+        tl.store(OUT_SCORE + out, _score(key), mask=sel)
+        tl.store(OUT_POS + out, ppos, mask=sel)
+        tl.store(OUT_TOK + out, t, mask=sel)
+        tl.store(PARENTS + r * (WN + 1) + po, t, mask=sel)
+        tl.store(PARENTS + r * (WN + 1) + WN, c)
+
+
+def select_children_supported(max_depth: int, k: int, width: int) -> bool:
+    """Whether Triton is there and every depth's pair sort fits one program."""
+    return (HAS_TRITON and width > 0
+            and _pow2(max(1, max(pair_layout(max_depth, k, width)[2]))) <= MAX_SORT)
+
+
+def select_children_triton(
+    prev_scores: torch.Tensor,  # [R, n] float32 scores of depth d - 1's nodes, best first
+    logprobs: torch.Tensor,  # [R, n + 1, K] float32 each parent's candidates (column n:
+    token_ids: torch.Tensor,  # [R, n + 1, K] int64   the chain's parent), draft ids
+    pair_pos: torch.Tensor,  # [P] int32 the pair table's parent positions ...
+    pair_rank: torch.Tensor,  # [P] int32 ... and token ranks (pair_tensors)
+    num_pairs: int,  # pairs whose parent lies inside depth d - 1's set
+    width: int,
+    draft_to_target: torch.Tensor | None = None,  # [V_draft] int64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One depth of the conditioned build: the best ``min(width, num_pairs)`` of the
+    (parent, rank) pairs by (score of the prefix, then pair order), as the torch build
+    selects them (same packed keys).  Returns ``(scores, parent_pos, tokens)``, each
+    ``[R, n']`` (tokens as target ids), and the next depth's parents ``[R, n' + 1]``:
+    those tokens, then the chain's next token (``token_ids[:, n, 0]``)."""
+    R, n1, K = logprobs.shape
+    n, wn = n1 - 1, min(width, num_pairs)
+    dev = logprobs.device
+    scores = torch.empty((R, wn), dtype=torch.float32, device=dev)
+    pos = torch.empty((R, wn), dtype=torch.int64, device=dev)
+    tokens = torch.empty((R, wn), dtype=torch.int64, device=dev)
+    parents = torch.empty((R, wn + 1), dtype=torch.int64, device=dev)
+    if R:
+        has_map = draft_to_target is not None
+        _select_children_kernel[(R,)](
+            prev_scores, logprobs.contiguous(), token_ids.contiguous(),
+            draft_to_target if has_map else token_ids, pair_pos, pair_rank,
+            scores, pos, tokens, parents, num_pairs, n, prev_scores.stride(0),
+            K=K, WN=wn, P2=_pow2(max(1, num_pairs)), HAS_MAP=has_map,
+            num_warps=4 if num_pairs <= 1024 else 8)
+    return scores, pos, tokens, parents
 
 
 def _pair_tables(

@@ -35,6 +35,7 @@ from vllm_ddtree.kernels.build_tables import (
     unpack_scores,
     unpack_ties,
 )
+from vllm_ddtree.kernels.tree_build import select_children_supported, select_children_triton
 
 from .build import DraftTree, assemble_tree, depth_candidates
 
@@ -60,6 +61,7 @@ def build_conditioned_tree(
     bias: MarkovBias,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
+    impl: str = "torch",
 ) -> DraftTree:
     """The best-first DDTree of every request with parent-conditioned children.
 
@@ -69,6 +71,9 @@ def build_conditioned_tree(
     Python loop over depths only, no device-to-host copy.  ``top1`` is the drafter's own
     greedy chain (each depth's best token after the chain's previous one, which the tree
     may not hold), ``nonfinite`` flags requests whose logits held NaN/inf.
+    ``impl``: each depth's selection in torch, or ``"triton"``
+    (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`, one launch per
+    depth; the same tree).
     """
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [R, D, V], got {tuple(base_logits.shape)}")
@@ -91,6 +96,13 @@ def build_conditioned_tree(
                                 with_nonfinite=True, add=base_logits[:, d, :])
 
     K = min(width, V)
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"build_conditioned_tree: impl must be 'torch' or 'triton', "
+                         f"got {impl!r}")
+    use_triton = impl == "triton"
+    if use_triton and not select_children_supported(D, K, width):
+        raise ValueError(f"build_conditioned_tree: impl='triton' needs Triton and a "
+                         f"pair sort that fits one program (depth {D}, budget {width})")
     # depth 1: one distribution per request, conditioned on the root
     lp, tok, bad = candidates(0, root_tokens.view(R, 1))  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
@@ -98,22 +110,34 @@ def build_conditioned_tree(
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     pi_all, pr_all = pair_tensors(D, K, width, str(dev))
     npairs = pair_layout(D, K, width)[2]
+    if use_triton:
+        pi32, pr32 = pair_tensors(D, K, width, str(dev), torch.int32)
+    # every kept node of depth d - 1 is a parent with its own distribution; the chain's
+    # last token rides along as one more parent (column n), outside the pairs
+    parents = torch.cat([tokens[0], chain[0].unsqueeze(1)], dim=1)  # [R, n + 1]
     for d in range(1, D):
-        # every kept node of depth d - 1 is a parent with its own distribution; the
-        # chain's last token rides along as one more parent (column n), outside the pairs
         n = tokens[-1].shape[1]
-        parents = torch.cat([tokens[-1], chain[-1].unsqueeze(1)], dim=1)  # [R, n + 1]
         lp, tok, bad = candidates(d, parents)
-        chain.append(to_target(tok[:, n, 0]))
         nonfinite = nonfinite | bad.any(dim=1)
-        pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents inside depth d-1's set
-        cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
-        top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()), dim=1).values
-        code = unpack_ties(top)
-        ppos, rank = code // K, code % K
+        if use_triton:  # one launch: the same selection, and the next depth's parents
+            top, ppos, kept, parents = select_children_triton(
+                scores[-1], lp, tok, pi32, pr32, npairs[d], width, draft_to_target)
+            chain.append(parents[:, -1])
+            scores.append(top)
+        else:
+            chain.append(to_target(tok[:, n, 0]))
+            pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents in depth d-1's set
+            cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
+            top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()),
+                             dim=1).values
+            code = unpack_ties(top)
+            ppos, rank = code // K, code % K
+            kept = to_target(tok[:, :n].flatten(1).gather(1, ppos * K + rank))
+            scores.append(unpack_scores(top))
+            if d + 1 < D:
+                parents = torch.cat([kept, chain[-1].unsqueeze(1)], dim=1)
         parent_pos.append(ppos)
-        tokens.append(to_target(tok[:, :n].flatten(1).gather(1, ppos * K + rank)))
-        scores.append(unpack_scores(top))
+        tokens.append(kept)
     per_req = torch.full((R,), width, dtype=torch.int64, device=dev)
     tree = assemble_tree(scores, parent_pos, tokens, per_req, out)
     return dataclasses.replace(tree, top1=torch.stack(chain, dim=1), nonfinite=nonfinite)
