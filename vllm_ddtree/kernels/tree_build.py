@@ -178,7 +178,7 @@ def select_children_triton(
             prev_scores, logprobs.contiguous(), token_ids.contiguous(),
             draft_to_target if has_map else token_ids, pair_pos, pair_rank,
             scores, pos, tokens, parents, num_pairs, n, prev_scores.stride(0),
-            K=K, WN=wn, P2=_pow2(max(1, num_pairs)), HAS_MAP=has_map,
+            K=K, WN=wn, P2=_pow2(max(2, num_pairs)), HAS_MAP=has_map,
             num_warps=4 if num_pairs <= 1024 else 8)
     return scores, pos, tokens, parents
 
