@@ -628,12 +628,13 @@ def main(argv=None) -> int:
     args.batches = [int(x) for x in args.batches.split(",")]
     args.temps = [float(x) for x in args.temps.split(",")]
     budgets = [int(x) for x in args.budgets.split(",")]
-    block = json.loads((Path(args.drafter) / "config.json").read_text()).get("block_size", 16)
-    k = args.dflash_k or block - 1
+    def block_size(drafter) -> int:
+        return json.loads((Path(drafter) / "config.json").read_text()).get("block_size", 16)
+
+    k = args.dflash_k or block_size(args.drafter) - 1
     dspark = None
     if args.dspark_drafter:
-        cfg = json.loads((args.dspark_drafter / "config.json").read_text())
-        dspark = (str(args.dspark_drafter), cfg.get("block_size", 16))
+        dspark = (str(args.dspark_drafter), block_size(args.dspark_drafter))
     try:
         methods = build_methods(args.methods.split(","), budgets, str(args.drafter), k, dspark)
     except ValueError as e:

@@ -108,10 +108,10 @@ def build_conditioned_tree(
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
     chain, nonfinite = [tokens[0][:, 0]], bad[:, 0]
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
-    pi_all, pr_all = pair_tensors(D, K, width, str(dev))
+    # the pair table, as the Triton kernel reads it (int32) or for torch's index math
+    pi_all, pr_all = pair_tensors(D, K, width, str(dev),
+                                  torch.int32 if use_triton else torch.int64)
     npairs = pair_layout(D, K, width)[2]
-    if use_triton:
-        pi32, pr32 = pair_tensors(D, K, width, str(dev), torch.int32)
     # every kept node of depth d - 1 is a parent with its own distribution; the chain's
     # last token rides along as one more parent (column n), outside the pairs
     parents = torch.cat([tokens[0], chain[0].unsqueeze(1)], dim=1)  # [R, n + 1]
@@ -120,10 +120,10 @@ def build_conditioned_tree(
         lp, tok, bad = candidates(d, parents)
         nonfinite = nonfinite | bad.any(dim=1)
         if use_triton:  # one launch: the same selection, and the next depth's parents
-            top, ppos, kept, parents = select_children_triton(
-                scores[-1], lp, tok, pi32, pr32, npairs[d], width, draft_to_target)
+            kept_scores, ppos, kept, parents = select_children_triton(
+                scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, draft_to_target)
             chain.append(parents[:, -1])
-            scores.append(top)
+            scores.append(kept_scores)
         else:
             chain.append(to_target(tok[:, n, 0]))
             pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents in depth d-1's set
