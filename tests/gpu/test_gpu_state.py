@@ -191,3 +191,17 @@ def test_verifier_calls_vllm_methods_by_parameter_name_once_per_function():
     assert verifier._call_by_name(s.sample, logits=2, idx_mapping=5) == (2, 5, None)
     info = verifier._param_names.cache_info()
     assert (info.misses, info.hits) == (1, 1)  # the signature is read once, not per step
+
+
+def test_kernel_rows_follow_the_step_width():
+    """Tree attention covers the step's own width, rounded up to one the engine captures:
+    an adaptive engine (budgets 63 / 31 / 15) verifying 16 rows a request launches over
+    16, not 64; a fixed engine always over 1 + budget."""
+    adaptive = TreeBuffers(max_num_reqs=2, max_num_tokens=8, budget=63, max_depth=D,
+                           device="cpu", step_budgets=[63, 31, 15, 31])
+    assert adaptive.verify_widths == [16, 32, 64]
+    assert [adaptive.kernel_rows(n) for n in (1, 9, 16, 17, 32, 33, 64)] == \
+        [16, 16, 16, 32, 32, 64, 64]
+    fixed = TreeBuffers(max_num_reqs=2, max_num_tokens=8, budget=B, max_depth=D, device="cpu")
+    assert fixed.verify_widths == [B + 1]
+    assert [fixed.kernel_rows(n) for n in (1, B, B + 1)] == [B + 1] * 3

@@ -49,7 +49,7 @@ class TreeAttnMeta:
     prefix_lens: torch.Tensor  # [num_reqs] int32 KV length before this step's rows
     query_end: torch.Tensor | None  # [num_reqs] int32 (recompute mode: rows to redo)
     row_bits: torch.Tensor  # [num_tokens, NW] int32 ancestor bits of every query row
-    max_rows: int  # verify rows of one request (1 + budget)
+    max_rows: int  # verify rows a request may have in this step (at most 1 + budget)
 
 
 def bind_tree_attention(layer_name: str, layer: Any, tree_buffers: TreeBuffers) -> None:
@@ -122,7 +122,11 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
         else:
             meta = super().build(common_prefix_len, common, fast_build)
         query_end = None
-        if not fused:
+        if fused:
+            # the step's own width (an adaptive engine's steps are narrower than its
+            # largest budget): the kernel's grid and tiling follow it
+            max_rows = tree_buffers.kernel_rows(common.max_query_len)
+        else:
             query_end = self._ddtree_query_end[:num_reqs]
             torch.where(query_lens <= max_rows, query_start[1 : num_reqs + 1],
                         query_start[:num_reqs], out=query_end)
@@ -203,7 +207,8 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
         num_reqs = meta.block_table.shape[0]
         tree_attention_triton(q, key_cache, value_cache, meta.block_table,
                               meta.query_start_loc, tree.prefix_lens, tree.row_bits,
-                              self.scale, include_prefix=True, max_rows=tree.max_rows,
+                              self.scale, include_prefix=True,
+                              max_rows=self.tree_buffers.max_rows,  # as mixed steps pass it
                               query_end=meta.query_start_loc[:num_reqs], out=out,
                               return_lse=False)
         self._ddtree_unfused_ready = True

@@ -19,6 +19,8 @@ Lifecycle of one decode step (all on the GPU, no host sync):
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,10 +50,13 @@ class TreeBuffers:
     """
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, budget: int, max_depth: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, step_budgets: Iterable[int] = ()) -> None:
         self.budget = budget  # draft nodes per tree
         self.max_depth = max_depth  # tree depth D (drafter positions per request)
         self.max_rows = budget + 1  # verify rows of one request: the root, then the nodes
+        # verify widths a step can have (1 + each budget of a per-batch-size schedule)
+        self.verify_widths = sorted({1 + b for b in step_budgets if b < budget}
+                                    | {self.max_rows})
         self.num_words = (self.max_rows + 31) // 32  # int32 words of one ancestor bit row
         num_states, width, num_words = max_num_reqs, self.max_rows, self.num_words
         causal = causal_words(torch.arange(width), num_words).to(device)
@@ -89,6 +94,15 @@ class TreeBuffers:
         # host flag for the attention metadata builder: this step verifies trees
         self.step_has_trees = False
         self.accepted: Accepted | None = None
+
+    def kernel_rows(self, max_query_len: int) -> int:
+        """Verify rows per request that a tree-attention launch covers in a step whose
+        longest request has ``max_query_len <= max_rows`` rows: the narrowest verify
+        width that holds them.  An adaptive engine's narrow steps then take the narrow
+        tiling (not the widest budget's), and every step takes a tiling its CUDA-graph
+        capture compiled at start-up (one per width)."""
+        widths = self.verify_widths
+        return widths[min(bisect.bisect_left(widths, max_query_len), len(widths) - 1)]
 
     # -- drafter side ----------------------------------------------------------------
     def store_batch(

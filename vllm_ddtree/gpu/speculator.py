@@ -60,8 +60,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.num_query_per_req = 1 + self.max_depth  # bonus + D mask tokens
         # this engine's tree state; load_model hands it to the model state, verifier and
         # tree attention of the same runner
+        schedule = self.speculative_config.num_speculative_tokens_per_batch_size or ()
         self.tree_buffers = TreeBuffers(self.max_num_reqs, self.max_num_tokens, self.budget,
-                                        self.max_depth, device)
+                                        self.max_depth, device,
+                                        step_budgets=[b for _, _, b in schedule])
         self._compactors: list[tuple[str, KVCompactor]] | None = None
         # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
         # copy into pinned memory, read one step later (no sync)
