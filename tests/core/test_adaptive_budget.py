@@ -9,7 +9,14 @@ import gc
 
 import pytest
 
-from vllm_ddtree.adaptive.schedule import best_budget, budget_schedule, candidates, step_cost, tau
+from vllm_ddtree.adaptive.schedule import (
+    STEP_COST,
+    best_budget,
+    budget_schedule,
+    candidates,
+    step_cost,
+    tau,
+)
 from vllm_ddtree.testing.metrics import spec_counts
 
 
@@ -18,7 +25,7 @@ def test_schedule_shape():
     assert s[0][0] == 1 and all(a[1] + 1 == b[0] for a, b in zip(s, s[1:]))
     budgets = [b for _, _, b in s]
     assert budgets == sorted(budgets, reverse=True)  # never grows with the batch
-    assert budgets[0] == 63  # batch 1 on an H200-8B cost curve (verify-cost.md)
+    assert budgets[0] == 63  # batch 1 on the measured H200 8B-shape step costs
     assert budgets[-1] == 15  # large batches: the chain's width, a D-node tree
     assert budget_schedule(15, 15) == [(1, 1 << 20, 15)]
     assert max(b for _, _, b in budget_schedule(40, 15)) <= 40
@@ -30,11 +37,23 @@ def test_model_pieces():
     assert candidates(100, 15) == [15, 31, 63, 95]
     assert candidates(32, 15) == [15, 31]
     assert candidates(12, 7) == [7, 12] and candidates(15, 15) == [15]
-    assert step_cost(1, 1) == pytest.approx(1.15)
+    # measured widths as measured; wider trees grow as the target's verify does
+    assert step_cost(2, 32) == pytest.approx(STEP_COST[2][32])
+    assert step_cost(1, 128) == pytest.approx(STEP_COST[1][64] * 1.35 / 1.27)
     assert step_cost(16, 65) > step_cost(1, 65) > step_cost(1, 16)
+    assert step_cost(1, 8) == step_cost(1, 16)  # narrower than measured: clamped
     assert tau(512, 15) > tau(64, 15) > tau(15, 15)
     # never below the chain's width when the batch is large
     assert best_budget(512, 256, 15) == 15
+
+
+def test_schedule_takes_the_measured_fastest_budget():
+    """At every measured batch size the model's pick is the budget with the most
+    modelled tokens per measured step time (no interpolation in between)."""
+    for batch, cost in STEP_COST.items():
+        fastest = max((15, 31, 63), key=lambda b: tau(b, 15) / cost[1 + b])
+        assert best_budget(batch, 63, 15) == fastest, batch
+    assert [b for _, _, b in budget_schedule(63, 15)] == [63, 31, 15]
 
 
 def test_config_sets_vllm_schedule(root):

@@ -107,7 +107,7 @@ def test_budget_zero_and_shape_errors():
     assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
     with pytest.raises(ValueError, match=r"\[R, D, V\]"):
         build_conditioned_tree(base[0], roots, _bias(w1, w2), 4)
-    with pytest.raises(ValueError, match="impl must be 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="impl must be 'auto', 'torch' or 'triton'"):
         build_conditioned_tree(base, roots, _bias(w1, w2), 4, impl="cuda")
 
 

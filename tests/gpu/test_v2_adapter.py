@@ -407,6 +407,11 @@ def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
     assert meta.ddtree.fused and prefix_len == 0
     assert given.causal is False and given.seq_lens.tolist() == [13, 27]
     assert given.seq_lens.data_ptr() == meta.ddtree.prefix_lens.data_ptr()
+    assert meta.ddtree.max_rows == 7  # 1 + budget
+    # an engine that also verifies 4-row trees: a 3-row step launches over 4 rows
+    engine.tree_buffers.verify_widths = [4, 7]
+    assert engine.builder.build(5, _common([0, 3, 6], [20, 30], 3)).ddtree.max_rows == 4
+    assert engine.builder.build(5, _common([0, 5, 6], [20, 30], 5)).ddtree.max_rows == 7
     # a step with a prefill chunk (8 rows > 1 + budget): vLLM's causal metadata
     common = _common([0, 8, 9], [20, 30], max_query_len=8)
     meta = engine.builder.build(5, common)

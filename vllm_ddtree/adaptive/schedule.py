@@ -10,12 +10,14 @@ The schedule maximizes ``tau(B) / step_cost(batch, 1 + B)`` per batch size over 
 set of budgets (``D``, ``2**k - 1`` and the largest ``16 m - 1`` up to the configured
 maximum: whole 16-row tree-attention blocks, see ``candidates``), using
 
-* ``step_cost``: one H200, Qwen3-8B-shaped target, verify of ``n`` tokens per request at
-  batch ``b``, relative to ``n = 1`` (measured with vLLM 0.26: ``VERIFY_COST``), plus a drafter
-  pass of ``DRAFTER_COST`` plain steps, the same for every budget; interpolated
-  log-linearly in ``b`` and ``n``;
+* ``step_cost``: a whole DDTree step (drafter, tree, verify of ``1 + B`` rows per request)
+  relative to a DFlash-15 step at the same batch size, measured at equal acceptance
+  (``benchmarks.step_cost``: one H200, Qwen3-8B shape, vLLM 0.26, CUDA graphs; the mean
+  of T = 0 and T = 1: ``STEP_COST``) for widths 16, 32 and 64; wider trees grow from the
+  width-64 value as a plain verify of the target grows (``VERIFY_GROWTH``); interpolated
+  log-linearly in the batch and the width;
 * ``tau``: DDTree's acceptance length against budget from the paper (Qwen3-8B,
-  MATH-500, T = 0), relative to its budget-16 value.
+  MATH-500, T = 0).
 
 Budget ``D`` verifies as many rows as the DFlash chain and its tree holds the ``D`` most
 probable prefixes (expected acceptance at least the chain's), so the schedule is never
@@ -29,8 +31,19 @@ from __future__ import annotations
 import bisect
 import math
 
-# batch -> {verify tokens per request n: step time relative to n = 1}
-VERIFY_COST: dict[int, dict[int, float]] = {
+# batch -> {verify rows per request: DDTree step time / DFlash-15 step time}, measured
+# at equal acceptance (docs/benchmarks/step-cost-h200.md, mean of T = 0 and T = 1)
+STEP_COST: dict[int, dict[int, float]] = {
+    1: {16: 1.026, 32: 1.048, 64: 1.094},
+    2: {16: 1.008, 32: 1.070, 64: 1.144},
+    4: {16: 1.020, 32: 1.107, 64: 1.313},
+    8: {16: 1.026, 32: 1.271, 64: 1.957},
+    32: {16: 1.010, 32: 1.872, 64: 3.399},
+    64: {16: 1.032, 32: 1.888, 64: 3.652},
+}
+# batch -> {verify tokens per request n: target forward time relative to n = 1} (one
+# H200, Qwen3-8B shape, vLLM 0.26): how a step grows past the widest measured tree
+VERIFY_GROWTH: dict[int, dict[int, float]] = {
     1: {1: 1.00, 16: 1.23, 32: 1.25, 64: 1.27, 128: 1.35, 256: 1.69, 512: 2.76},
     4: {1: 1.00, 16: 1.10, 32: 1.15, 64: 1.38, 128: 2.03, 256: 3.73, 512: 7.31},
     16: {1: 1.00, 16: 1.31, 32: 1.67, 64: 2.52, 128: 4.34, 256: 8.20, 512: 16.5},
@@ -39,7 +52,6 @@ VERIFY_COST: dict[int, dict[int, float]] = {
 # budget -> acceptance length (paper, Qwen3-8B, MATH-500, T = 0; chain with D = 15: 7.79)
 TAU: dict[int, float] = {16: 8.6, 32: 9.25, 64: 9.75, 128: 10.2, 256: 10.43, 512: 10.73,
                          1024: 10.97}
-DRAFTER_COST = 0.15  # one drafter pass, in plain decode steps (the same for every budget)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -58,11 +70,17 @@ def _interp(points: dict[int, float], x: float) -> float:
     return points[a] + t * (points[b] - points[a])
 
 
+def _table(table: dict[int, dict[int, float]], batch: float, width: float) -> float:
+    return _interp({b: _interp(row, width) for b, row in table.items()}, batch)
+
+
 def step_cost(batch: int, width: int) -> float:
     """Relative time of one DDTree step (drafter + verify of ``width`` rows/request)."""
-    bs = sorted(VERIFY_COST)
-    per_batch = {b: _interp(VERIFY_COST[b], width) for b in bs}
-    return DRAFTER_COST + _interp(per_batch, batch)
+    widest = max(STEP_COST[1])
+    cost = _table(STEP_COST, batch, min(width, widest))
+    if width > widest:
+        cost *= _table(VERIFY_GROWTH, batch, width) / _table(VERIFY_GROWTH, batch, widest)
+    return cost
 
 
 def tau(budget: int, depth: int) -> float:
