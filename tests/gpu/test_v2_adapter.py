@@ -423,6 +423,18 @@ def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
     assert torch.equal(common.seq_lens, torch.tensor([20, 30], dtype=torch.int32))
 
 
+def test_tree_attention_takes_full_cuda_graphs_for_uniform_batches_only():
+    """vLLM's FlashAttention 3 builder allows FULL graphs of mixed batches; the tree
+    builder does not (a graph bakes the fused path and the step's width), so vLLM turns
+    cudagraph_mode FULL into FULL_AND_PIECEWISE."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBackend
+
+    builder = DDTreeFlashAttentionBackend.get_builder_cls()
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
+
+
 def test_missing_buffer_wiring_fails_clearly(v2_stubs):
     """A model state or tree attention builder whose engine never bound its buffers
     refuses to start (instead of serving trees from another engine's, or none)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends import flash_attn as fa
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
@@ -84,6 +85,13 @@ def bound_tree_buffers(vllm_config: VllmConfig, layer_names: list[str]) -> TreeB
 
 
 class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
+    # A FULL CUDA graph bakes the tree kernel's path (fused or not) and grid from the
+    # batch it was captured with.  Uniform decode batches replay a graph of their own
+    # width; a mixed batch (a prefill chunk, truncated trees) would replay one captured
+    # with another layout.  So FULL graphs for uniform batches only: vLLM then runs
+    # mixed batches piecewise (cudagraph_mode FULL becomes FULL_AND_PIECEWISE).
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
