@@ -214,3 +214,43 @@ def test_stop_draw_replaces_only_no_child_stops():
                      tb.parents, draw)
     assert sampled[:, 0].tolist() == [9, 7, 2]
     assert torch.isneginf(seen[0][:, [4, 7]]).all() and seen[0][:, [0, 5, 9]].eq(0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31)])
+def test_stop_draw_kernel_matches_torch(seed, V, budget):
+    """The two-launch stop draw (impl="triton") hands the draw the same rows (children at
+    -inf) and positions as the torch one, and writes the same tokens."""
+    g = torch.Generator().manual_seed(seed)
+    R, D = 5, 4
+    tb = _buffers(R, budget, D, torch.randn(R, D, V, generator=g) * 3)
+    states = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)  # batch rows -> states
+    width = budget + 1
+    expanded, local, positions, cu = _rows(R, width, states.long())
+    logits = torch.randn(R * width, V, generator=g)
+    temperature = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])  # states 1 and 3 greedy
+    choices = choose_children_torch(logits, expanded, local, temperature, tb.walk_tokens,
+                                    tb.parents, torch.rand(R * width, generator=g))
+    sampled, acc = tb.walk(choices, cu, states, R, impl="torch")
+    stop_rows = cu[:-1].long() + acc.path.gather(1, (acc.num_accepted - 1)[:, None])[:, 0]
+    need = choices[stop_rows] == NO_CHILD
+    assert need.any() and not need.all()  # draws, and greedy stops that keep their token
+    seen = {}
+
+    def draw(impl):
+        def fn(rows, row_states, pos):
+            seen[impl] = (rows.clone(), row_states.clone(), pos.clone())
+            return (rows.argmax(dim=-1) + pos) % V
+        return fn
+
+    out = {}
+    for impl in ("torch", "triton"):
+        out[impl] = sampled.clone()
+        draw_stop_tokens(logits.to(DEV), choices.to(DEV), out[impl], acc.path, acc.num_accepted,
+                         cu, states, positions, tb.walk_tokens, tb.parents, draw(impl),
+                         impl=impl)
+    for a, b in zip(seen["torch"], seen["triton"]):
+        assert torch.equal(a.contiguous(), b)
+    assert torch.isneginf(seen["triton"][0]).any()  # children masked
+    assert torch.equal(out["torch"], out["triton"])

@@ -143,6 +143,39 @@ if HAS_TRITON:
         chosen = tl.sum(tl.where(j == first, tok, 0), axis=0)
         tl.store(OUT + row, tl.where(first < BLOCK_B, chosen, NO_CHILD_TL))
 
+    @triton.jit
+    def _stop_rows_kernel(X, s_x, PATH, s_path, NACC, CU, IDX, POS, CHOICES, WTOK, PAR,
+                          ROWS, STOP_POS, NEED, s_wt, s_par, V, BUDGET: tl.constexpr,
+                          BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+        # one (request, vocabulary block): the stop row's logits with its children at
+        # -inf; block 0 also writes the stop row's position and whether it takes a draw
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        last = tl.load(NACC + r) - 1
+        stop_local = tl.load(PATH + r * s_path + last)
+        stop_row = tl.load(CU + r).to(tl.int64) + stop_local
+        state = tl.load(IDX + r).to(tl.int64)
+        offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
+        x = tl.load(X + stop_row * s_x + offs, mask=offs < V).to(tl.float32)
+        j = tl.arange(0, BLOCK_B)
+        j_ok = j < BUDGET
+        tok = tl.load(WTOK + state * s_wt + j, mask=j_ok, other=-1)
+        par = tl.load(PAR + state * s_par + j, mask=j_ok, other=-1)
+        child = j_ok & (par == stop_local) & (tok >= 0)
+        hit = tl.sum(((offs[:, None] == tok[None, :]) & child[None, :]).to(tl.int32), 1)
+        tl.store(ROWS + r * V + offs, tl.where(hit > 0, float("-inf"), x), mask=offs < V)
+        if c == 0:
+            tl.store(STOP_POS + r, tl.load(POS + stop_row))
+            tl.store(NEED + r, (tl.load(CHOICES + stop_row) == NO_CHILD_TL).to(tl.int8))
+
+    @triton.jit
+    def _emit_stop_kernel(SAMPLED, s_sampled, NACC, NEED, DRAWN):
+        # the emitted token of a walk that stopped on NO_CHILD becomes its draw
+        r = tl.program_id(0).to(tl.int64)
+        if tl.load(NEED + r) != 0:
+            last = tl.load(NACC + r) - 1
+            tl.store(SAMPLED + r * s_sampled + last, tl.load(DRAWN + r))
+
 
 def choose_children(
     logits: torch.Tensor,  # [N, V] processed logits (temperature, top-k/p applied)
@@ -197,12 +230,20 @@ def draw_stop_tokens(
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
     draw: DrawRows,
+    impl: str = "torch",
 ) -> None:
     """Where a walk stopped on :data:`NO_CHILD`, its emitted token (``sampled[r,
     num_accepted - 1]``) becomes a draw from the stop row's distribution without that
-    row's children.  One full-vocabulary draw per request, no host sync."""
+    row's children.  One full-vocabulary draw per request, no host sync.  ``impl``:
+    torch (about twenty small launches around the draw), ``"triton"`` (two; the same
+    rows, draw and tokens) or ``"auto"`` (Triton on CUDA)."""
     R = idx_mapping.shape[0]
     if R == 0:
+        return
+    if use_triton(impl, processed):
+        _draw_stop_tokens_triton(processed, choices, sampled, path, num_accepted,
+                                 cu_num_logits, idx_mapping, positions, walk_tokens,
+                                 parents, draw)
         return
     last = (num_accepted - 1).unsqueeze(1)  # [R, 1]
     stop_local = path.gather(1, last)  # [R, 1] verify row the walk stopped at
@@ -219,3 +260,34 @@ def draw_stop_tokens(
     emitted = sampled.gather(1, last).squeeze(1)
     need = choices.index_select(0, stop_row) == NO_CHILD
     sampled.scatter_(1, last, torch.where(need, drawn, emitted).unsqueeze(1))
+
+
+def _draw_stop_tokens_triton(
+    processed: torch.Tensor,  # [N, V]
+    choices: torch.Tensor,  # [N] int64
+    sampled: torch.Tensor,  # [R, 1 + B] int64, updated in place
+    path: torch.Tensor,  # [R, D + 1] int64
+    num_accepted: torch.Tensor,  # [R] int64
+    cu_num_logits: torch.Tensor,  # [R + 1] int32
+    idx_mapping: torch.Tensor,  # [R] int32
+    positions: torch.Tensor,  # [N] int64
+    walk_tokens: torch.Tensor,  # [S, B] int64
+    parents: torch.Tensor,  # [S, B] int64
+    draw: DrawRows,
+) -> None:
+    """:func:`draw_stop_tokens` in two launches around the draw."""
+    R, V = idx_mapping.shape[0], processed.shape[1]
+    assert processed.stride(1) == 1 and sampled.stride(1) == 1 and path.stride(1) == 1
+    dev = processed.device
+    rows = torch.empty((R, V), dtype=torch.float32, device=dev)
+    stop_pos = torch.empty(R, dtype=positions.dtype, device=dev)
+    need = torch.empty(R, dtype=torch.int8, device=dev)
+    budget = walk_tokens.shape[1]
+    block_v = 1024
+    _stop_rows_kernel[(R, triton.cdiv(V, block_v))](
+        processed, processed.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
+        idx_mapping, positions, choices, walk_tokens, parents, rows, stop_pos, need,
+        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget,
+        BLOCK_B=triton.next_power_of_2(budget), BLOCK_V=block_v, num_warps=4)
+    drawn = draw(rows, idx_mapping, stop_pos)
+    _emit_stop_kernel[(R,)](sampled, sampled.stride(0), num_accepted, need, drawn)
