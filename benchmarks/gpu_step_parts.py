@@ -12,7 +12,9 @@ Median of CUDA-event timings over 30 runs after 5 warm-ups, as eager launches an
 36 layers' launches in one graph).  Columns: build (tree build + layout + store), fill
 (per-row metadata), walk (fused walk), compact36 (KV compaction over 36 layers, k = D),
 attn1 / attn36 (the Triton tree part of attention, 1 layer / 36 layers); "/g" = replayed
-from a CUDA graph.
+from a CUDA graph; stop/torch and stop/triton (the T > 0 verify's stop draw,
+``draw_stop_tokens``, eager as vLLM's sampler runs it, with a torch Gumbel draw standing
+in for vLLM's).
 Prints a table last; compare with an 8B decode step of ~5.3 ms (batch 1) in vLLM 0.26.
 """
 
@@ -27,6 +29,7 @@ import torch
 from benchmarks.core_gpu import median_ms
 from vllm_ddtree.gpu.buffers import TreeBuffers
 from vllm_ddtree.gpu.verify_rows import KVCompactor, walk_verify
+from vllm_ddtree.gpu.verify_sampling import NO_CHILD, draw_stop_tokens
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 from vllm_ddtree.tree import build_tree
 
@@ -81,6 +84,18 @@ def case(R, B, topk_pruned, dev="cuda"):
     compact = lambda: comp(slots, li, cu, path, nacc, R)
     res["compact36"] = timed(compact)
     res["compact36/g"] = timed(graphed(compact))
+    processed = torch.randn(T, V, device=dev)  # every walk stops at its root on NO_CHILD
+    choices = torch.full((T,), NO_CHILD, dtype=torch.int64, device=dev)
+    stopped = torch.zeros(R, W, dtype=torch.int64, device=dev)
+    root = torch.ones(R, dtype=torch.int64, device=dev)
+
+    def gumbel(rows, states, positions):
+        return (rows - torch.empty_like(rows).exponential_().log()).argmax(dim=-1)
+
+    for impl in ("torch", "triton"):
+        res[f"stop/{impl}"] = timed(lambda impl=impl: draw_stop_tokens(
+            processed, choices, stopped, path, root, cu, idx, pos, tb.walk_tokens,
+            tb.parents, gumbel, impl=impl))
     kv = caches[0]
     k_cache, v_cache = kv[..., :HD], kv[..., HD:]
     bt = torch.arange(nblocks, device=dev, dtype=torch.int32).view(R, -1)
