@@ -218,7 +218,7 @@ def test_stop_draw_replaces_only_no_child_stops():
 
 @needs_triton
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31)])
+@pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31), (700, 200)])
 def test_stop_draw_kernel_matches_torch(seed, V, budget):
     """The two-launch stop draw (impl="triton") hands the draw the same rows (children at
     -inf) and positions as the torch one, and writes the same tokens."""

@@ -283,11 +283,12 @@ def _draw_stop_tokens_triton(
     stop_pos = torch.empty(R, dtype=positions.dtype, device=dev)
     need = torch.empty(R, dtype=torch.int8, device=dev)
     budget = walk_tokens.shape[1]
-    block_v = 1024
+    block_b = triton.next_power_of_2(budget)
+    block_v = max(16, min(1024, 16384 // block_b))  # the [BLOCK_V, BLOCK_B] match <= 16K
     _stop_rows_kernel[(R, triton.cdiv(V, block_v))](
         processed, processed.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
         idx_mapping, positions, choices, walk_tokens, parents, rows, stop_pos, need,
-        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget,
-        BLOCK_B=triton.next_power_of_2(budget), BLOCK_V=block_v, num_warps=4)
+        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget, BLOCK_B=block_b,
+        BLOCK_V=block_v, num_warps=4)
     drawn = draw(rows, idx_mapping, stop_pos)
     _emit_stop_kernel[(R,)](sampled, sampled.stride(0), num_accepted, need, drawn)
