@@ -71,6 +71,11 @@ _V2_ATTRS = (
     # verified as a chain (gpu/buffers.py needs_chain, gpu/model_state.py)
     "vllm.sampling_params:SamplingParams.thinking_token_budget",
     "vllm.config.model:ModelConfig.logits_processors",
+    # the tree attention builder's CUDA-graph support level, read by vLLM's runner
+    # (gpu/attention.py: FULL graphs for uniform batches only)
+    "vllm.v1.attention.backend:AttentionMetadataBuilder._cudagraph_support",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.get_cudagraph_support",
+    "vllm.v1.attention.backend:AttentionCGSupport.UNIFORM_BATCH",
     # hidden while the drafter's CUDA graph manager is built (gpu/speculator.py)
     "vllm.config.speculative:SpeculativeConfig.num_speculative_tokens_per_batch_size",
     "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.init_cudagraph_manager",
