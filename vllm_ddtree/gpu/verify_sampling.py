@@ -104,6 +104,17 @@ if HAS_TRITON:
         tl.store(A + row * n + c, a_i)
 
     @triton.jit
+    def _row_children(WTOK, PAR, state, s_wt, s_par, local, BUDGET: tl.constexpr,
+                      BLOCK_B: tl.constexpr):
+        # the tree nodes of request state ``state`` (in node order), their tokens, and
+        # which are children of verify row ``local`` (row_children's rule)
+        j = tl.arange(0, BLOCK_B)
+        j_ok = j < BUDGET
+        tok = tl.load(WTOK + state * s_wt + j, mask=j_ok, other=-1)
+        par = tl.load(PAR + state * s_par + j, mask=j_ok, other=-1)
+        return j, tok, j_ok & (par == local) & (tok >= 0)
+
+    @triton.jit
     def _choose_kernel(X, s_x, M, S, A, IDX, LOC, POS, TEMP, SEEDS, WTOK, PAR, U, OUT,
                        s_wt, s_par, V, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
                        BUDGET: tl.constexpr, BLOCK_B: tl.constexpr, HAS_U: tl.constexpr):
@@ -124,11 +135,7 @@ if HAS_TRITON:
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), axis=0))
         local = tl.load(LOC + row).to(tl.int64)
-        j = tl.arange(0, BLOCK_B)
-        j_ok = j < BUDGET
-        tok = tl.load(WTOK + state * s_wt + j, mask=j_ok, other=-1)
-        par = tl.load(PAR + state * s_par + j, mask=j_ok, other=-1)
-        child = j_ok & (par == local) & (tok >= 0)
+        j, tok, child = _row_children(WTOK, PAR, state, s_wt, s_par, local, BUDGET, BLOCK_B)
         x = tl.load(X + row * s_x + tl.where(child, tok, 0), mask=child,
                     other=float("-inf")).to(tl.float32)
         p = tl.where(child, tl.exp(x - lse), 0.0)
@@ -157,11 +164,8 @@ if HAS_TRITON:
         state = tl.load(IDX + r).to(tl.int64)
         offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
         x = tl.load(X + stop_row * s_x + offs, mask=offs < V).to(tl.float32)
-        j = tl.arange(0, BLOCK_B)
-        j_ok = j < BUDGET
-        tok = tl.load(WTOK + state * s_wt + j, mask=j_ok, other=-1)
-        par = tl.load(PAR + state * s_par + j, mask=j_ok, other=-1)
-        child = j_ok & (par == stop_local) & (tok >= 0)
+        _, tok, child = _row_children(WTOK, PAR, state, s_wt, s_par, stop_local, BUDGET,
+                                      BLOCK_B)
         hit = tl.sum(((offs[:, None] == tok[None, :]) & child[None, :]).to(tl.int32), 1)
         tl.store(ROWS + r * V + offs, tl.where(hit > 0, float("-inf"), x), mask=offs < V)
         if c == 0:

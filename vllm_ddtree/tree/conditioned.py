@@ -101,11 +101,11 @@ def build_conditioned_tree(
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"build_conditioned_tree: impl must be 'auto', 'torch' or "
                          f"'triton', got {impl!r}")
+    supported = select_children_supported(D, K, width)
     if impl == "auto":
-        impl = ("triton" if base_logits.is_cuda and select_children_supported(D, K, width)
-                else "torch")
+        impl = "triton" if base_logits.is_cuda and supported else "torch"
     use_triton = impl == "triton"
-    if use_triton and not select_children_supported(D, K, width):
+    if use_triton and not supported:
         raise ValueError(f"build_conditioned_tree: impl='triton' needs Triton and a "
                          f"pair sort that fits one program (depth {D}, budget {width})")
     # depth 1: one distribution per request, conditioned on the root
