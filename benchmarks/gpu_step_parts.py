@@ -9,12 +9,13 @@ KV compaction over 36 layers, and the Triton tree part of attention merged into 
 result (32 query / 8 KV heads of 128, 1024-token prefix) for one layer and for 36.
 Median of CUDA-event timings over 30 runs after 5 warm-ups, as eager launches and, in the
 "(graph)" columns, replayed from a CUDA graph as vLLM runs them (the tree attention part:
-36 layers' launches in one graph).  Columns: build (tree build + layout + store), fill
-(per-row metadata), walk (fused walk), compact36 (KV compaction over 36 layers, k = D),
-attn1 / attn36 (the Triton tree part of attention, 1 layer / 36 layers); "/g" = replayed
-from a CUDA graph; stop/torch and stop/triton (the T > 0 verify's stop draw,
-``draw_stop_tokens``, eager as vLLM's sampler runs it, with a torch Gumbel draw standing
-in for vLLM's).
+36 layers' launches in one graph). Columns: build (tree build + layout + store), fill
+(per-row metadata), topk/g (the tree build's per-depth top-k and log-sum-exp,
+``topk_lse`` at k = min(B, the variant's largest k)), walk (fused
+walk), compact36 (KV compaction over 36 layers, k = D), attn1 / attn36 (the Triton tree
+part of attention, 1 layer / 36 layers); "/g" = replayed from a CUDA graph; stop/torch
+and stop/triton (the T > 0 verify's stop draw, ``draw_stop_tokens``, eager as vLLM's
+sampler runs it, with a torch Gumbel draw standing in for vLLM's).
 Prints a table last; compare with an 8B decode step of ~5.3 ms (batch 1) in vLLM 0.26.
 """
 
@@ -30,6 +31,7 @@ from benchmarks.core_gpu import median_ms
 from vllm_ddtree.gpu.buffers import TreeBuffers
 from vllm_ddtree.gpu.verify_rows import KVCompactor, walk_verify
 from vllm_ddtree.gpu.verify_sampling import NO_CHILD, draw_stop_tokens
+from vllm_ddtree.kernels.topk_lse import topk_lse, topk_lse_max_k
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 from vllm_ddtree.tree import build_tree
 
@@ -60,6 +62,9 @@ def case(R, B, topk_pruned, dev="cuda"):
         tb.store_batch(tree, logits, draft_tokens)
 
     res = {"build": timed(build), "build/g": timed(graphed(build))}
+    x = logits.view(R * D, V)
+    k = min(B, topk_lse_max_k(topk_pruned))
+    res["topk/g"] = timed(graphed(lambda: topk_lse(x, k, pruned=topk_pruned)))
     idx = torch.arange(R, dtype=torch.int32, device=dev)
     tb.commit(idx, R)
     qs = (torch.arange(R + 1, device=dev) * W).to(torch.int32)
@@ -125,8 +130,6 @@ def main():
     ap.add_argument("--topk-prune", default="0", help="comma list of 0/1: the pruned top-k "
                     "(build_tree's topk_pruned); one row set per value")
     args = ap.parse_args()
-    from vllm_ddtree.kernels.topk_lse import topk_lse_max_k
-
     rows = []
     for pr in (int(x) for x in args.topk_prune.split(",")):
         mk = topk_lse_max_k(bool(pr))  # the variant's largest k; torch.topk above it

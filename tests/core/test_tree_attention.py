@@ -118,8 +118,9 @@ def test_logsumexp_sanitize_kernel(dtype):
 @pytest.mark.parametrize("k,prune", [(1, False), (5, False), (16, False), (1, True),
                                      (5, True), (16, True), (33, True), (64, True)])
 def test_chunked_topk_lse_kernel(dtype, k, prune):
-    """Both variants against a stable sort.  Pruned, V = 9000 leaves >= k chunks (the
-    bound is used) for k <= 33 and fewer for k = 64 (no bound)."""
+    """Both variants against a stable sort, with values or log-probabilities and the
+    non-finite flags.  Pruned, V = 9000 leaves >= k chunks (the bound is used) for
+    k <= 33 and fewer for k = 64 (no bound)."""
     from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse
     from vllm_ddtree.tree.build import sanitized_logits
 
@@ -142,12 +143,20 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
             m = torch.nn.functional.pad(m, (0, -9000 % chunk), value=float("-inf"))
             maxima = m.view(-1, chunk).max(dim=-1).values
             assert (maxima < maxima.topk(k).values[-1]).any()
-    vals, idx, lse = topk_lse(x, k, chunk=None if prune else 1024, pruned=prune)
+    args = dict(chunk=None if prune else 1024, pruned=prune)
+    vals, idx, lse = topk_lse(x, k, **args)
     ref = sanitized_logits(x.cpu())
     rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)
     assert torch.equal(idx.cpu(), ri[:, :k])
     assert torch.equal(vals.cpu(), rv[:, :k])
     torch.testing.assert_close(lse.cpu(), torch.logsumexp(ref, -1), atol=1e-4, rtol=1e-5)
+    lp, idx2, lse2, bad = topk_lse(x, k, **args, logprobs=True, return_nonfinite=True)
+    assert torch.equal(idx2, idx) and torch.equal(lse2, lse)
+    assert torch.equal(lp, vals - lse.unsqueeze(1))
+    assert bad.tolist() == [False, True, True, True, False, True]
+    none = torch.full((1, 9000), float("-inf"), dtype=dtype, device=dev)
+    lp, _, lse = topk_lse(none, k, **args, logprobs=True)  # -inf - -inf: -inf, not NaN
+    assert lse.item() == float("-inf") and lp.eq(float("-inf")).all()
 
 
 @needs_interp

@@ -219,9 +219,9 @@ def _depth_candidates_cuda(
     if k <= topk_lse_max_k(topk_pruned):  # chunked top-k keys: exact ties by construction
         if add is not None and add.stride(1) != 1:
             add = add.contiguous()
-        vals, idx, lse, nonfinite = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
-                                             pruned=topk_pruned, return_nonfinite=True,
-                                             add=add)
+        lp, idx, _, nonfinite = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
+                                         pruned=topk_pruned, return_nonfinite=True, add=add,
+                                         logprobs=True)
     else:
         if add is not None:  # written out: the fallback sanitizes in place
             x = (draft_logits.float() + add.float().unsqueeze(1)).view(R * D, V)
@@ -233,8 +233,8 @@ def _depth_candidates_cuda(
         vals, idx = _topk_lowest_index(x, k)  # native dtype, index order
         vals, perm = torch.sort(vals.float(), dim=-1, descending=True, stable=True)
         idx = torch.gather(idx, -1, perm)
-    lp = vals - lse.unsqueeze(1)
-    lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
+        lp = vals - lse.unsqueeze(1)
+        lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
     if with_nonfinite:
         return lp.view(R, D, k), idx.view(R, D, k), nonfinite.view(R, D)
     return lp.view(R, D, k), idx.view(R, D, k)
