@@ -234,7 +234,7 @@ def draw_stop_tokens(
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
     draw: DrawRows,
-    impl: str = "torch",
+    impl: str = "auto",
 ) -> None:
     """Where a walk stopped on :data:`NO_CHILD`, its emitted token (``sampled[r,
     num_accepted - 1]``) becomes a draw from the stop row's distribution without that
