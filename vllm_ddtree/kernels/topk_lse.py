@@ -9,8 +9,8 @@ log-probabilities), the log-sum-exp from the chunks' maxima and sums, and the ro
 non-finite flag.  Reference: ``depth_candidates`` on CPU (a stable sort).  With the
 pruning bound and this merge in Triton (four launches, in place of ~20 around two
 ``torch.topk`` and a ``logsumexp``), the top-k of one request at budget 15 (15 rows)
-takes 0.026 ms in a CUDA graph on the H200, 0.072 ms before (``benchmarks/
-gpu_step_parts.py``, column topk/g; docs/benchmarks/step-cost-h200.md).
+takes 0.026 ms in a CUDA graph on the H200, 0.072 ms before
+(``benchmarks/gpu_step_parts.py``, column topk/g; docs/benchmarks/step-cost-h200.md).
 
 Two variants (``pruned``):
 
