@@ -2,22 +2,23 @@
 # GPU measurements on a host without a package index (one NVIDIA GPU), in stages:
 #   bash benchmarks/gpu_stages.sh STAGE
 # One invocation per stage; each stage needs some files copied to the host next to the
-# working tree (below).  vLLM comes as a split archive, .gpu/bundle.part-00..02 (built
-# elsewhere; split so that each upload stays small), which .gpu/unpack.sh collects and
-# unpacks once all parts are there; the SmolLM2 GGUF comes as .smol/gguf.part-a*, the
-# gguf wheel as .whl/.  Stages that need vLLM stop at once when it is not unpacked (a
-# host that was reset: copy the parts again).  Full logs go to $OUT/<stage>/, tables to
-# stdout.  On a host with vLLM installed, run the Python commands of docs/benchmarks.md
+# working tree (below).  vLLM comes as a split archive, .gpu/bundle.part-00, -01, ...
+# (built elsewhere; split so that each upload stays small: a call carries at most 64 MiB
+# with the working tree, ~53 MB of it the tracked files), which .gpu/unpack.sh collects
+# and unpacks once all parts are there; the SmolLM2 GGUF comes as .smol/gguf.part-a*
+# (scripts/gpu_train_smollm.sh --prepare), the gguf wheel as .whl/.  One part per call.
+# Stages that need vLLM stop at once when it is not unpacked (a host that was reset: copy
+# the parts again).  Full logs go to $OUT/<stage>/, tables to stdout.  On a host with vLLM installed, run the Python commands of docs/benchmarks.md
 # directly instead.
 #
 #   a   with .smol/gguf.part-aa                   stash (versions, GPU name); step parts
 #       at 8B shape with the one-pass and the pruned top-k (gpu_step_parts.py --topk-prune 0,1)
-#   b   with .smol/gguf.part-ab                   stash
-#   c   with .smol/gguf.part-ac .whl .gpu/bundle.part-02   convert the SmolLM2 target to
+#   b   with each next .smol/gguf.part-*, one call each   stash
+#   c   with the last .smol/gguf.part-* and .whl   convert the SmolLM2 target to
 #       /root/smol/hf (TRAIN_NEW=1: also train a new drafter in the background, ~10 min,
 #       holding ~110 GiB of the GPU: then no vLLM engine can start until it ends)
-#   c2  with .gpu/bundle.part-00                   stash
-#   d1  with .gpu/bundle.part-01                   unpack vLLM, install the plugin;
+#   c2  with each .gpu/bundle.part-* but the last, one call each   stash
+#   d1  with the last .gpu/bundle.part-*           unpack vLLM, install the plugin;
 #       the step profile p1 (below): DFlash vs DDTree-15 at equal width
 #   e1  (nothing)   step-part timings at 8B shape (eager and in CUDA graphs); the SmolLM2
 #       pair with the shipped drafter: AR vs DFlash vs DDTree, T = 0/1, batch 1..64;

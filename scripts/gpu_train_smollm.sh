@@ -2,17 +2,19 @@
 # Train the SmolLM2-135M DFlash drafter on a GPU machine without internet access.
 #
 # The GGUF (98.4 MB) is larger than what one transfer to such a machine may carry
-# (64 MiB including the working tree, whose shipped drafter alone is ~23 MB), so it
-# travels in three parts of at most 40 MB, in calls run back to back:
+# (64 MiB including the working tree, whose two shipped drafters take ~50 MB), so it
+# travels in parts of at most PART_BYTES (default 12 MB: nine parts, aa to ai), in calls
+# run back to back:
 #
 #   here, once:   bash scripts/gpu_train_smollm.sh --prepare
-#                   -> .smol/gguf.part-aa, -ab, -ac (parts of the GGUF) and
+#                   -> .smol/gguf.part-aa, -ab, ... (parts of the GGUF) and
 #                      .whl/gguf-*.whl; both folders are added to .git/info/exclude
-#   GPU calls 1, 2: bash scripts/gpu_train_smollm.sh      (carry .smol/gguf.part-aa, then -ab)
+#   GPU calls 1 to N-1: bash scripts/gpu_train_smollm.sh  (carry .smol/gguf.part-aa, then
+#                      -ab, ...)
 #                   -> stores the part in $SMOL_STAGE (default /root/smol); while parts are
 #                      missing, runs the trainer for 20 steps on the repo's tiny random
 #                      target as a CUDA smoke test (~30 s; SMOKE=0 skips it) and exits
-#   GPU call 3:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry .smol/gguf.part-ac, .whl)
+#   GPU call N:   bash scripts/gpu_train_smollm.sh [ARGS]   (carry the last part and .whl)
 #                   -> joins and checks the GGUF (sha256), installs gguf if missing,
 #                      converts, trains (python3 -m scripts.train_drafter --max-minutes
 #                      ${MAX_MINUTES:-8.5} ARGS; --dspark for the DSpark drafter) and writes
@@ -21,7 +23,7 @@
 #
 # model.safetensors (~23 MB) comes back split into 15 MiB parts (a returned file may not
 # exceed 16 MiB); rebuild it with: cat model.safetensors.part-* > model.safetensors
-# (model.safetensors.sha256 checks it).  A machine given back between the two calls loses
+# (model.safetensors.sha256 checks it).  A machine given back between two calls loses
 # the parts stashed so far: the last call then says so; run them all again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     src=$($PY -c "from vllm_ddtree.demo.smollm import find_gguf; print(find_gguf())")
     mkdir -p .smol .whl
     rm -f .smol/gguf.part-*
-    split -b 40000000 -a 2 "$src" .smol/gguf.part-  # part-aa, -ab, -ac
+    split -b "${PART_BYTES:-12000000}" -a 2 "$src" .smol/gguf.part-  # part-aa, -ab, ...
     ls .whl/gguf-*.whl >/dev/null 2>&1 || $PY -m pip download -q --no-deps -d .whl "gguf==0.19.0"
     for d in /.smol/ /.whl/; do
         grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
@@ -54,7 +56,7 @@ if [[ ! -f "$GGUF" ]] || [[ $(stat -c %s "$GGUF") != "$GGUF_SIZE" ]]; then
     have=$(cat "$STAGE"/gguf.part-* 2>/dev/null | wc -c)
     if [[ "$have" != "$GGUF_SIZE" ]]; then
         echo "have $have of $GGUF_SIZE GGUF bytes in $STAGE ($(ls "$STAGE" | grep -c gguf.part-)" \
-             "part(s)): run again carrying the next part (.smol/gguf.part-aa, -ab, -ac, back to back)"
+             "part(s)): run again carrying the next part (.smol/gguf.part-aa, -ab, ..., back to back)"
         if [[ "${SMOKE:-1}" == 1 ]]; then
             # Meanwhile, the whole trainer on this GPU with the repo's tiny random Qwen3
             # target (no GGUF needed, ~30 s): CUDA problems show up before the real run.
