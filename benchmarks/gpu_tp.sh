@@ -3,10 +3,10 @@
 # in stages, one invocation each (vLLM as the split archive of gpu_stages.sh, copied to the
 # host next to the working tree):
 #
-#   1  with .gpu/bundle.part-00 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
-#   2  with .gpu/bundle.part-01 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N stash
-#   3  with .gpu/bundle.part-02 .gpu/unpack.sh   bash benchmarks/gpu_tp.sh N check
-#   4  with .gpu/unpack.sh                        bash benchmarks/gpu_tp.sh N speed
+#   1  with each .gpu/bundle.part-* but the last, and .gpu/unpack.sh, one call each:
+#        bash benchmarks/gpu_tp.sh N stash
+#   2  with the last .gpu/bundle.part-* and .gpu/unpack.sh: bash benchmarks/gpu_tp.sh N check
+#   3  with .gpu/unpack.sh: bash benchmarks/gpu_tp.sh N speed
 #      (TPS=1 or TPS=N: only those rows; one TP's throughput took ~300 s on a freshly
 #      started host, so give each half its own invocation)
 #
