@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import torch
 
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+
 LOW32 = (1 << 32) - 1  # mask of a key's tie code
 
 
@@ -41,6 +43,25 @@ def unpack_scores(keys: torch.Tensor) -> torch.Tensor:
     bits = keys >> 32
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return bits.to(torch.int32).view(torch.float32)
+
+
+if HAS_TRITON:  # the same packing inside Triton kernels
+
+    @triton.jit
+    def pack_key(score, tie):  # float32, int64 (< 2**32) -> int64 key (pack_keys)
+        bits = (score + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return (bits << 32) | (4294967295 - tie)
+
+    @triton.jit
+    def key_score(key):  # unpack_scores
+        bits = key >> 32
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def key_tie(key):  # unpack_ties
+        return 4294967295 - (key & 4294967295)
 
 
 @lru_cache(maxsize=64)

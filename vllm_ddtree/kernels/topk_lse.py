@@ -35,6 +35,9 @@ import torch
 
 from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
+if HAS_TRITON:
+    from vllm_ddtree.kernels.build_tables import key_score, key_tie, pack_key
+
 # Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
 # its k reductions per chunk are faster than torch.topk only up to k = 16 on the H200
 # (k = 32 made the build 1.35 -> 2.2 ms at 32 requests on the H200).
@@ -82,23 +85,17 @@ if HAS_TRITON:
         _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
 
     @triton.jit
-    def _orderable(x):  # float32 -> int64 of the same order (-0.0 == +0.0)
-        bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-    @triton.jit
     def _kth_largest_chunk_max(M, row, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr):
         """The row's ``K``-th largest chunk maximum, duplicates counted (``torch.topk``'s
         ``values[K - 1]``); -inf when the row has fewer than ``K`` chunks."""
         c = tl.arange(0, BLOCK_C)
         m = tl.load(M + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
-        key = (_orderable(m) << 32) | (4294967295 - c.to(tl.int64))  # unique per chunk
-        key = tl.where(c < n_chunks, key, -9223372036854775807 - 1)
+        key = tl.where(c < n_chunks, pack_key(m, c.to(tl.int64)),  # unique per chunk
+                       -9223372036854775807 - 1)
         for _ in range(0, K - 1):
             key = tl.where(key == tl.max(key, 0), -9223372036854775807 - 1, key)
         kth = tl.max(key, 0)
-        return tl.where(kth == -9223372036854775807 - 1, float("-inf"),
-                        tl.max(tl.where(key == kth, m, float("-inf")), 0))
+        return tl.where(kth == -9223372036854775807 - 1, float("-inf"), key_score(kth))
 
     @triton.jit
     def _bound_kernel(M, T, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -123,8 +120,7 @@ if HAS_TRITON:
                                            CHUNK, HAS_ADD)
         if not PRUNED:
             _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
-        key = (_orderable(x) << 32) | (4294967295 - offs.to(tl.int64))
-        key = tl.where(ok, key, -9223372036854775807 - 1)
+        key = tl.where(ok, pack_key(x, offs.to(tl.int64)), -9223372036854775807 - 1)
         if PRUNED:
             n = tl.minimum(tl.sum((ok & (x >= t)).to(tl.int32), 0), K)
         else:
@@ -151,9 +147,7 @@ if HAS_TRITON:
             best = tl.max(key, 0)
             top = tl.where(slots == j, best, top)
             key = tl.where(key == best, -9223372036854775807 - 1, key)
-        bits = top >> 32
-        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        vals = bits.to(tl.int32).to(tl.float32, bitcast=True)
+        vals = key_score(top)
         c = tl.arange(0, BLOCK_C)
         y = tl.load(M + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
         y += tl.log(tl.load(S + row * n_chunks + c, mask=c < n_chunks, other=1.0))
@@ -164,7 +158,7 @@ if HAS_TRITON:
             vals = vals - lse
             vals = tl.where(vals != vals, float("-inf"), vals)
         tl.store(VALS + row * K + slots, vals, mask=slots < K)
-        tl.store(IDS + row * K + slots, 4294967295 - (top & 4294967295), mask=slots < K)
+        tl.store(IDS + row * K + slots, key_tie(top), mask=slots < K)
         tl.store(LSE + row, lse)
         bad = tl.load(NF + row * n_chunks + c, mask=c < n_chunks, other=0)
         tl.store(BAD + row, (tl.max(bad, 0) > 0).to(tl.int8))

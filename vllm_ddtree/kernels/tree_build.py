@@ -24,6 +24,9 @@ from vllm_ddtree.kernels.build_tables import (
 )
 from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
 
+if HAS_TRITON:
+    from vllm_ddtree.kernels.build_tables import key_score, pack_key
+
 MAX_SORT = 4096  # largest in-register sort per program
 
 
@@ -32,19 +35,6 @@ def _pow2(n: int) -> int:
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _pack(score, tie):
-        s = score + 0.0
-        bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        return (bits << 32) | (4294967295 - tie)
-
-    @triton.jit
-    def _score(key):
-        bits = key >> 32
-        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _tree_build_kernel(
@@ -60,7 +50,7 @@ if HAS_TRITON:
         o = tl.arange(0, S)
         n1 = tl.minimum(W, K)
         v = tl.load(lp + o, mask=o < n1, other=0.0)
-        k1 = tl.where(o < n1, _pack(v, o.to(tl.int64)), -9223372036854775807 - 1)
+        k1 = tl.where(o < n1, pack_key(v, o.to(tl.int64)), -9223372036854775807 - 1)
         tl.store(keys + o, k1)
         tl.debug_barrier()
         po = tl.arange(0, P2)
@@ -71,8 +61,8 @@ if HAS_TRITON:
             pr = tl.load(PR + po, mask=ok, other=0)
             pkey = tl.load(keys + (d - 1) * S + pi, mask=ok, other=0)
             val = tl.load(lp + d * K + pr, mask=ok, other=0.0)
-            cand = _score(pkey) + val
-            key = _pack(cand, pi.to(tl.int64) * K + pr)
+            cand = key_score(pkey) + val
+            key = pack_key(cand, pi.to(tl.int64) * K + pr)
             key = tl.where(ok, key, -9223372036854775807 - 1)
             key = tl.sort(key, descending=True)
             tl.store(keys + d * S + po, key, mask=po < S)
@@ -107,7 +97,7 @@ if HAS_TRITON:
         tl.store(OUT_TOK + out, tl.where(keep, token, -1), mask=sel)
         tl.store(OUT_PAR + out, tl.where(keep, parent, -1), mask=sel)
         tl.store(OUT_DEP + out, tl.where(keep, nd + 1, 0), mask=sel)
-        tl.store(OUT_SCORE + out, tl.where(keep, _score(nkey), float("-inf")), mask=sel)
+        tl.store(OUT_SCORE + out, tl.where(keep, key_score(nkey), float("-inf")), mask=sel)
 
 
     @triton.jit
@@ -126,7 +116,7 @@ if HAS_TRITON:
         tok = TOK + r * (n + 1) * K
         prev = tl.load(PREV + r * s_prev + pi, mask=ok, other=0.0)
         val = tl.load(lp + pi * K + pr, mask=ok, other=0.0)
-        key = tl.where(ok, _pack(prev + val, pi * K + pr), -9223372036854775807 - 1)
+        key = tl.where(ok, pack_key(prev + val, pi * K + pr), -9223372036854775807 - 1)
         key = tl.sort(key, descending=True)
         sel = po < WN
         code = 4294967295 - (key & 4294967295)
@@ -137,7 +127,7 @@ if HAS_TRITON:
             t = tl.load(D2T + t, mask=sel, other=0)
             c = tl.load(D2T + c)
         out = r * WN + po
-        tl.store(OUT_SCORE + out, _score(key), mask=sel)
+        tl.store(OUT_SCORE + out, key_score(key), mask=sel)
         tl.store(OUT_POS + out, ppos, mask=sel)
         tl.store(OUT_TOK + out, t, mask=sel)
         tl.store(PARENTS + r * (WN + 1) + po, t, mask=sel)
