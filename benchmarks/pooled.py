@@ -11,7 +11,7 @@ temperature:
   (resampling the ratios, seeded).  A second DFlash engine (``dflash-b``) gives the
   same numbers for two identical engines: the noise floor the others are read against.
 
-    python3 -m benchmarks.pooled docs/benchmarks/smollm-interleaved-h200-*.json
+    python3 -m benchmarks.pooled docs/benchmarks/smollm-pair-h200-t*.json
 
 Pure Python; no vLLM.
 """
