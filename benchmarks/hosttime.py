@@ -3,14 +3,16 @@ the profiler (``throughput.py --host-timing``).
 
 With vLLM's engine core in the benchmark's own engine process (``@inproc`` methods),
 every method that vLLM or this plugin defines on the model runner, its speculator or
-drafter, its model state and its samplers is wrapped on the instance with a
-``perf_counter_ns`` accumulator.  Times are inclusive (a method's time contains the
-wrapped methods it calls) and host-only: no synchronization is added, so a method that
-launches GPU work is charged only for the launch, unless it waits.  That is the cost that
-matters when a step is host-bound, as the SmolLM2-135M pair's is.  The same roles
-(``runner``, ``speculator``, ...) exist for DFlash and DDTree engines, so their rows
-compare method by method.  A wrapper adds ~0.25 µs per call (measured on this
-project's CPU machine), to every engine alike.
+drafter, its model state, its samplers, the attention-metadata builders of the target
+and the drafter (``attn_builder``, summed over builders of one class) and the engine
+core's scheduler is wrapped on the instance with a ``perf_counter_ns`` accumulator.
+Times are inclusive (a method's time contains the wrapped methods it calls) and
+host-only: no synchronization is added, so a method that launches GPU work is charged
+only for the launch, unless it waits. That is the cost that matters when a step is
+host-bound, as the SmolLM2-135M pair's is. The same roles (``runner``, ``speculator``,
+...) exist for DFlash and DDTree engines, so their rows compare method by method. A
+wrapper adds ~0.25 µs per call (measured on this project's CPU machine), to every engine
+alike.
 """
 
 from __future__ import annotations
@@ -33,21 +35,25 @@ def model_runner(llm):
 
 
 class HostTimer:
-    """Wraps the methods of ``objs`` (role -> object) defined in ``modules`` on their
-    instances; ``acc`` maps ``role.method`` to ``[ns, calls]`` since the last
-    :meth:`reset`."""
+    """Wraps the methods of ``objs`` (role -> object, or a list of objects that share
+    the role's counters) defined in ``modules`` on their instances; ``acc`` maps
+    ``role.method`` to ``[ns, calls]`` since the last :meth:`reset`."""
 
     def __init__(self, objs: dict, modules: tuple = OWN_MODULES):
         self.acc: dict[str, list[int]] = {}
-        for role, obj in objs.items():
-            for name in dir(type(obj)):
-                if name.startswith("__"):
-                    continue
-                raw = inspect.getattr_static(type(obj), name, None)
-                if not (inspect.isfunction(raw)
-                        and getattr(raw, "__module__", "").startswith(modules)):
-                    continue  # properties, static/class methods, torch's nn.Module methods
-                setattr(obj, name, self._wrap(f"{role}.{name}", getattr(obj, name)))
+        for role, obj_or_list in objs.items():
+            for obj in (obj_or_list if isinstance(obj_or_list, list) else [obj_or_list]):
+                self._wrap_methods(role, obj, modules)
+
+    def _wrap_methods(self, role: str, obj, modules: tuple) -> None:
+        for name in dir(type(obj)):
+            if name.startswith("__"):
+                continue
+            raw = inspect.getattr_static(type(obj), name, None)
+            if not (inspect.isfunction(raw)
+                    and getattr(raw, "__module__", "").startswith(modules)):
+                continue  # properties, static/class methods, torch's nn.Module methods
+            setattr(obj, name, self._wrap(f"{role}.{name}", getattr(obj, name)))
 
     def _wrap(self, label: str, bound):
         slot = self.acc.setdefault(label, [0, 0])
@@ -71,17 +77,32 @@ class HostTimer:
         return {k: (ns, n) for k, (ns, n) in self.acc.items() if n}
 
 
+def attention_builders(runner) -> list:
+    """The distinct attention-metadata builders of the runner's and its speculator's
+    attention groups (``attn_groups``: per KV-cache group, a list of groups)."""
+    builders: dict[int, object] = {}
+    for owner in (runner, getattr(runner, "speculator", None)):
+        for groups in getattr(owner, "attn_groups", None) or []:
+            for group in groups:
+                for builder in getattr(group, "metadata_builders", None) or []:
+                    builders[id(builder)] = builder
+    return list(builders.values())
+
+
 def timer_for(llm) -> HostTimer:
     runner = model_runner(llm)
-    objs = {"runner": runner}
+    objs: dict = {"runner": runner}
     for role in ROLES:
         part = getattr(runner, role, None)
         if part is not None and part is not runner:
             objs[role] = part
+    if builders := attention_builders(runner):
+        objs["attn_builder"] = builders
+    objs["scheduler"] = llm.llm_engine.engine_core.engine_core.scheduler
     return HostTimer(objs)
 
 
-def per_step(snaps: list[dict], steps: int, top: int = 12) -> list[tuple[str, float, float]]:
+def per_step(snaps: list[dict], steps: int, top: int = 16) -> list[tuple[str, float, float]]:
     """``(role.method, ms per step, calls per step)`` over the runs' snapshots, the
     ``top`` largest by time."""
     total: dict[str, list[int]] = {}

@@ -96,6 +96,8 @@ def test_throughput_host_timing_cpu_smoke(tmp_path):
         # drafter inside the runner's propose step
         assert 0 < host["runner._model_forward"][0] <= ms
         assert 0 < host["drafter.propose"][0] <= host["runner.propose_draft_token_ids"][0]
+        # the engine core's scheduler, once per step, outside the runner's time
+        assert host["scheduler.schedule"][1] == pytest.approx(1.0, abs=0.1)
     assert "runner.execute_model" in proc.stdout.splitlines()[-1]
     # every method must be in-process, or the harness refuses before starting anything
     bad = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--cpu",

@@ -195,3 +195,8 @@ def test_host_timer_counts_calls_and_inclusive_time_per_method():
     assert [k for k, _, _ in rows] == ["runner.step", "runner.inner"]
     assert rows[0][2] == pytest.approx(2.0)  # 2 snapshots x 3 calls over 3 steps
     assert _Part().step(1) == 3 and "step" not in vars(_Part())  # other instances untouched
+    # a list of objects shares its role's counters (e.g. one builder per attention group)
+    a, b = _Part(), _Part()
+    shared = HostTimer({"builder": [a, b]}, modules=(__name__,))
+    a.step(1), b.step(2)
+    assert shared.snapshot()["builder.step"][1] == 2
