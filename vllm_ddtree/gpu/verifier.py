@@ -171,7 +171,7 @@ class DDTreeVerifier:
         logits: torch.Tensor,  # [num_logits, vocab] permuted to the accepted path
     ) -> Any:
         get_logprobs = self._stock._get_logprobs_tensors
-        if "input_batch" in inspect.signature(get_logprobs).parameters:  # vLLM 0.26
+        if "input_batch" in _param_names(get_logprobs.__func__):  # vLLM 0.26
             return get_logprobs(input_batch, sampled, num_sampled, logits)
         from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
