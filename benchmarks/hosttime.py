@@ -4,15 +4,15 @@ the profiler (``throughput.py --host-timing``).
 With vLLM's engine core in the benchmark's own engine process (``@inproc`` methods),
 every method that vLLM or this plugin defines on the model runner, its speculator or
 drafter, its model state, its samplers, the attention-metadata builders of the target
-and the drafter (``attn_builder``, summed over builders of one class) and the engine
-core's scheduler is wrapped on the instance with a ``perf_counter_ns`` accumulator.
-Times are inclusive (a method's time contains the wrapped methods it calls) and
-host-only: no synchronization is added, so a method that launches GPU work is charged
-only for the launch, unless it waits. That is the cost that matters when a step is
-host-bound, as the SmolLM2-135M pair's is. The same roles (``runner``, ``speculator``,
-...) exist for DFlash and DDTree engines, so their rows compare method by method. A
-wrapper adds ~0.25 µs per call (measured on this project's CPU machine), to every engine
-alike.
+(``attn_builder``) and of the drafter (``draft_attn_builder``), each role summed over
+its builders, and the engine core's scheduler is wrapped on the instance with a
+``perf_counter_ns`` accumulator. Times are inclusive (a method's time contains the
+wrapped methods it calls) and host-only: no synchronization is added, so a method that
+launches GPU work is charged only for the launch, unless it waits. That is the cost that
+matters when a step is host-bound, as the SmolLM2-135M pair's is. The same roles
+(``runner``, ``speculator``, ...) exist for DFlash and DDTree engines, so their rows
+compare method by method. A wrapper adds ~0.25 µs per call (measured on this project's
+CPU machine), to every engine alike.
 """
 
 from __future__ import annotations
@@ -77,15 +77,14 @@ class HostTimer:
         return {k: (ns, n) for k, (ns, n) in self.acc.items() if n}
 
 
-def attention_builders(runner) -> list:
-    """The distinct attention-metadata builders of the runner's and its speculator's
-    attention groups (``attn_groups``: per KV-cache group, a list of groups)."""
+def attention_builders(owner) -> list:
+    """The distinct attention-metadata builders of ``owner``'s attention groups
+    (``attn_groups``: per KV-cache group, a list of groups), [] where it has none."""
     builders: dict[int, object] = {}
-    for owner in (runner, getattr(runner, "speculator", None)):
-        for groups in getattr(owner, "attn_groups", None) or []:
-            for group in groups:
-                for builder in getattr(group, "metadata_builders", None) or []:
-                    builders[id(builder)] = builder
+    for groups in getattr(owner, "attn_groups", None) or []:
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", None) or []:
+                builders[id(builder)] = builder
     return list(builders.values())
 
 
@@ -96,15 +95,18 @@ def timer_for(llm) -> HostTimer:
         part = getattr(runner, role, None)
         if part is not None and part is not runner:
             objs[role] = part
-    if builders := attention_builders(runner):
-        objs["attn_builder"] = builders
+    for role, owner in (("attn_builder", runner),
+                        ("draft_attn_builder", getattr(runner, "speculator", None))):
+        if builders := attention_builders(owner):
+            objs[role] = builders
     objs["scheduler"] = llm.llm_engine.engine_core.engine_core.scheduler
     return HostTimer(objs)
 
 
-def per_step(snaps: list[dict], steps: int, top: int = 16) -> list[tuple[str, float, float]]:
-    """``(role.method, ms per step, calls per step)`` over the runs' snapshots, the
-    ``top`` largest by time."""
+def per_step(snaps: list[dict], steps: int,
+             top: int | None = None) -> list[tuple[str, float, float]]:
+    """``(role.method, ms per step, calls per step)`` over the runs' snapshots, largest
+    first: the ``top`` largest, or all."""
     total: dict[str, list[int]] = {}
     for snap in snaps:
         for k, (ns, n) in snap.items():

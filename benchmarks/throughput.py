@@ -327,8 +327,9 @@ def cell_row(name, spec, temp, n, runs: list[Run], warm: tuple = ()) -> dict:
 
 
 def _host_rows(runs: list[Run], iters: int) -> dict:
-    """``host_ms_per_step`` (--host-timing): the top methods' host ms and calls per engine
-    step (steps: the runner's ``execute_model`` calls, else vLLM's iteration count)."""
+    """``host_ms_per_step`` (--host-timing): every timed method's host ms and calls per
+    engine step, largest first (steps: the runner's ``execute_model`` calls, else vLLM's
+    iteration count)."""
     snaps = [r.host for r in runs if r.host]
     if not snaps:
         return {}
