@@ -54,11 +54,17 @@ def _param_names(func: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(func).parameters)
 
 
+def _params_of(fn: Callable[..., Any]) -> frozenset[str]:
+    """The parameter names of ``fn`` (a bound method: of its function, ``self``
+    included), read once per function, not every step."""
+    return _param_names(getattr(fn, "__func__", fn))
+
+
 def _call_by_name(fn: Callable[..., Any], **available: Any) -> Any:
     """Call ``fn`` with the arguments its signature names (vLLM versions add and
     reorder arguments of these internal methods).  The signature is read once per
     function, not every step."""
-    params = _param_names(getattr(fn, "__func__", fn)) - {"self"}
+    params = _params_of(fn) - {"self"}
     return fn(**{k: v for k, v in available.items() if k in params})
 
 
@@ -171,7 +177,7 @@ class DDTreeVerifier:
         logits: torch.Tensor,  # [num_logits, vocab] permuted to the accepted path
     ) -> Any:
         get_logprobs = self._stock._get_logprobs_tensors
-        if "input_batch" in _param_names(get_logprobs.__func__):  # vLLM 0.26
+        if "input_batch" in _params_of(get_logprobs):  # vLLM 0.26
             return get_logprobs(input_batch, sampled, num_sampled, logits)
         from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
