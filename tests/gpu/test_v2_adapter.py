@@ -452,3 +452,33 @@ def test_missing_buffer_wiring_fails_clearly(v2_stubs):
         DDTreeModelState(config, torch.nn.Linear(1, 1), None, "cpu")
     with pytest.raises(RuntimeError, match="found no DDTree buffers"):
         DDTreeFlashAttentionBuilder(None, TARGET_LAYERS, config, "cpu")
+
+
+def test_target_step_builds_metadata_for_the_target_groups_only(v2_stubs, monkeypatch):
+    """The drafter's layers keep vLLM's FlashAttention, so vLLM gives them attention
+    groups of their own in the target's KV-cache groups; the target step hands vLLM's
+    ``prepare_attn`` only the tree groups (the drafter builds its own metadata), keeps
+    one list per KV-cache group, and filters once per list vLLM passes."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBackend
+
+    seen = []
+    monkeypatch.setattr(DefaultModelState, "prepare_attn",
+                        lambda self, batch, mode, tables, slots, groups, config, **kw:
+                        seen.append(groups))
+    engine = _engine()
+    monkeypatch.setattr(engine.tree_buffers, "fill_rows", lambda *args: None)
+    tree = SimpleNamespace(backend=DDTreeFlashAttentionBackend, layer_names=TARGET_LAYERS)
+    draft = SimpleNamespace(backend=FlashAttentionBackend, layer_names=["draft.attn"])
+    other_tree = SimpleNamespace(backend=DDTreeFlashAttentionBackend, layer_names=["x"])
+    attn_groups = [[tree, draft], [draft], [other_tree]]
+    batch = SimpleNamespace(query_start_loc=None, cu_num_logits=None, idx_mapping=None,
+                            positions=None, num_reqs=2, num_tokens_after_padding=8,
+                            num_draft_tokens=6)
+    for _ in range(2):
+        engine.state.prepare_attn(batch, None, (), None, attn_groups, None)
+    assert seen[0] == [[tree], [], [other_tree]]
+    assert seen[1] is seen[0]
+    assert attn_groups == [[tree, draft], [draft], [other_tree]]  # vLLM's list untouched

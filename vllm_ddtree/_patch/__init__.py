@@ -259,6 +259,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_attn_layer_names",
             "vllm.v1.worker.gpu.model_states:init_model_state",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
+            "vllm.v1.worker.utils:AttentionGroup.backend",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_inputs",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_dummy_inputs",
             "vllm.v1.worker.gpu.model_states.default:DefaultModelState.add_request",
@@ -309,7 +310,9 @@ LEDGER: tuple[PatchEntry, ...] = (
             "its layers in static_forward_context), and so does the target model, with "
             "target_model.get_model_state_cls (read by init_model_state, which passes "
             "the model to DDTreeModelState) and DDTreeModelState.custom_sampler (the "
-            "verifier); its add_request keeps the "
+            "verifier); its prepare_attn hands vLLM's only the target's attention groups "
+            "(the drafter's layers, on vLLM's FlashAttention, form groups of their own "
+            "whose metadata the target step never reads); its add_request keeps the "
             "one-time chain warning from warmup_kernels' requests (ids _warmup_*, every "
             "sampling feature on). DDTreeSpeculator."
             "init_cudagraph_manager hides speculative_config.num_speculative_tokens_per_"

@@ -7,6 +7,7 @@ return this class from ``get_model_state_cls`` and carry its engine's
 
 * ``prepare_attn``: every verify row's ancestor bits and RoPE position
   (root + depth) go to persistent buffers; KV slots stay linear (vLLM computed them);
+  metadata is built for the target's attention groups only;
 * ``prepare_inputs`` / ``prepare_dummy_inputs``: RoPE reads the tree positions (one
   persistent buffer, so FULL CUDA graphs replay with the current step's values);
 * ``custom_sampler``: the verifier (:class:`~vllm_ddtree.gpu.verifier.DDTreeVerifier`);
@@ -76,6 +77,8 @@ class DDTreeModelState(DefaultModelState):
                 "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
                 "supported yet; use method 'dflash' for this model.")
         self.tree_buffers = bound_tree_buffers(model)
+        # (vLLM's attention groups, the target's groups among them): see prepare_attn
+        self._target_groups: tuple[list, list] | None = None
         # vLLM 0.32+ loads engine-wide logits processors into the sampler; they read each
         # row's history as linear, so every request is verified as a chain
         self._engine_chain = ("custom logits processors (model_config.logits_processors)"
@@ -123,8 +126,26 @@ class DDTreeModelState(DefaultModelState):
                                input_batch.num_reqs, input_batch.num_tokens_after_padding)
         tree_buffers.step_has_trees = bool(for_capture or input_batch.num_draft_tokens > 0)
         return super().prepare_attn(input_batch, cudagraph_mode, block_tables, slot_mappings,
-                                    attn_groups, kv_cache_config, for_capture=for_capture,
-                                    **kwargs)
+                                    self._target_attn_groups(attn_groups), kv_cache_config,
+                                    for_capture=for_capture, **kwargs)
+
+    def _target_attn_groups(
+        self, attn_groups: list[list[AttentionGroup]]
+    ) -> list[list[AttentionGroup]]:
+        """``attn_groups`` (per KV-cache group) without the drafter's groups.  The
+        drafter's layers share the target's KV-cache groups but not its backend (they
+        keep vLLM's FlashAttention), so vLLM gives them attention groups of their own;
+        the target step would build their metadata and never read it (the drafter
+        builds its own in ``propose``): one metadata build per step for nothing.
+        Filtered once per list of groups (vLLM keeps one for the runner's life)."""
+        cached = self._target_groups
+        if cached is None or cached[0] is not attn_groups:
+            from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBackend
+
+            target = [[g for g in groups if g.backend is DDTreeFlashAttentionBackend]
+                      for groups in attn_groups]
+            cached = self._target_groups = (attn_groups, target)
+        return cached[1]
 
     def custom_sampler(self, sampler: Any) -> tuple[Any, DDTreeVerifier]:
         from vllm_ddtree.gpu.verifier import DDTreeVerifier
