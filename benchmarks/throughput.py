@@ -177,14 +177,36 @@ def cpu_sets(cpus, n: int) -> list:
     return [cpus[a:a + m] for a, m in zip(starts, sizes)]
 
 
+def pin_process_tree(cpus: list[int]) -> None:
+    """Every thread of this process and of the processes it started onto ``cpus``
+    (``sched_setaffinity`` moves one thread; threads started later inherit it).  Reads
+    Linux's ``/proc``; a thread or process that ended meanwhile is skipped."""
+    pids = [os.getpid()]
+    for pid in pids:  # grows with each process's children
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cpus)
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        pids += [int(c) for c in f.read().split()]
+
+
+def rotated(sets: list, rep: int) -> list:
+    """The CPU sets of repeat ``rep``: engine ``i`` takes set ``(i + rep) mod n``, so over
+    ``n`` repeats every engine runs once on every set (CPUs of one machine can differ in
+    speed: the sets are not assumed equal)."""
+    n = len(sets)
+    return [sets[(i + rep) % n] for i in range(n)]
+
+
 def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     """Child process: one engine, driven by the parent through ``conn``.  Commands
     ``(what, temperature, batch, repeat)``, what = "warm" (two short generates, timed:
     a first call at a new shape may JIT-compile kernels -> their wall times), "run" (a
     timed generate -> :class:`Run`), "profile" (-> :func:`profile_generate`'s dict);
-    ``None`` stops.  Every reply is ``(ok, value)``; a failure replies ``(False,
-    traceback)``.  ``cpus``: the CPUs this engine's processes are pinned to
-    (``--pin-cpus``)."""
+    ``None`` stops; ``("pin", cpus)`` moves the engine's processes to ``cpus``.  Every
+    reply is ``(ok, value)``; a failure replies ``(False, traceback)``.  ``cpus``: the
+    CPUs this engine's processes start on (``--pin-cpus``)."""
     import traceback
 
     try:
@@ -217,6 +239,10 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
         conn.send((True, type(llm.llm_engine.engine_core).__name__))  # ready: core client
         while (cmd := conn.recv()) is not None:
+            if cmd[0] == "pin":
+                pin_process_tree(cmd[1])
+                conn.send((True, None))
+                continue
             what, temp, n, rep = cmd
             batch = _cell(prompts, n, rep)
             if what == "warm":
@@ -278,6 +304,10 @@ class Engine:
     def __call__(self, what: str, temp: float, n: int, rep: int = 0):
         self.conn.send((what, temp, n, rep))
         return self._reply()
+
+    def pin(self, cpus: list[int]) -> None:
+        self.conn.send(("pin", cpus))
+        self._reply()
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, EOFError, RuntimeError):
@@ -341,13 +371,22 @@ def _host_rows(runs: list[Run], iters: int) -> dict:
 
 def run_cells(args, engines: list[Engine], bar) -> list[dict]:
     """Every (temperature, batch) cell on every engine in ``engines``: warm-up, then
-    ``--repeats`` timed runs, the engines' order reversed every other repeat."""
+    ``--repeats`` timed runs, the engines' order reversed every other repeat and, when
+    they are pinned, their CPU sets rotated every repeat (:func:`rotated`)."""
     rows = []
+    sets = getattr(args, "cpu_sets", None) or [None]
+    rotate = len(engines) > 1 and None not in sets
     for temp in args.temps:
         for n in args.batches:
+            if rotate:  # the warm-up (and a one-repeat run) on the starting sets
+                for e, cpus in zip(engines, sets):
+                    e.pin(cpus)
             warm = {e.name: e("warm", temp, n) for e in engines}
             runs: dict[str, list[Run]] = {e.name: [] for e in engines}
             for rep in range(args.repeats):
+                if rotate and rep:
+                    for e, cpus in zip(engines, rotated(sets, rep)):
+                        e.pin(cpus)
                 for e in (engines if rep % 2 == 0 else engines[::-1]):
                     runs[e.name].append(e("run", temp, n, rep))
             for e in engines:
@@ -584,8 +623,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential", action="store_true",
                     help="one engine after another instead of interleaved cells")
     ap.add_argument("--pin-cpus", choices=("auto", "on", "off"), default="auto",
-                    help="pin each interleaved engine's processes to its own CPUs (auto: on "
-                         "a GPU with at least two CPUs per engine; never with --sequential)")
+                    help="pin each interleaved engine's processes to its own CPUs, the "
+                         "sets rotating between engines every repeat (auto: on a GPU with "
+                         "at least two CPUs per engine; never with --sequential)")
     ap.add_argument("--base-src", type=Path, default=None,
                     help="a directory holding another copy of the vllm_ddtree package, run "
                          "by the methods with the suffix @base")
@@ -658,6 +698,7 @@ def main(argv=None) -> int:
                 repeats=args.repeats, interleaved=not args.sequential,
                 gpu_mem_per_engine=args.gpu_mem, topk_prune=True,  # build_tree's default
                 engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)},
+                cpu_sets_rotate=len(methods) > 1 and None not in args.cpu_sets,
                 engine_core=args.engine_core)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")

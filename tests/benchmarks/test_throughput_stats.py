@@ -10,6 +10,8 @@ from benchmarks.throughput import (
     build_methods,
     cell_row,
     cpu_sets,
+    pin_process_tree,
+    rotated,
     trim_stalls,
 )
 
@@ -200,3 +202,76 @@ def test_host_timer_counts_calls_and_inclusive_time_per_method():
     shared = HostTimer({"builder": [a, b]}, modules=(__name__,))
     a.step(1), b.step(2)
     assert shared.snapshot()["builder.step"][1] == 2
+
+
+def test_cpu_sets_rotate_so_every_engine_runs_on_every_set():
+    sets = [[0, 1], [2, 3], [4, 5]]
+    seen = {i: [] for i in range(3)}
+    for rep in range(3):
+        for i, cpus in enumerate(rotated(sets, rep)):
+            seen[i].append(cpus)
+    assert rotated(sets, 0) == sets
+    assert all(sorted(v) == sets for v in seen.values())  # each engine: each set once
+    assert all(len({tuple(c) for c in rotated(sets, rep)}) == 3 for rep in range(3))
+
+
+def test_pin_process_tree_moves_this_process_and_its_children():
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux with two CPUs")
+    start = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        pin_process_tree(start[:1])
+        assert os.sched_getaffinity(0) == {start[0]}
+        assert os.sched_getaffinity(thread.native_id) == {start[0]}
+        assert os.sched_getaffinity(child.pid) == {start[0]}
+    finally:
+        stop.set()
+        thread.join()
+        child.kill()
+        child.wait()
+        pin_process_tree(start)
+    assert os.sched_getaffinity(0) == set(start)
+
+
+def test_interleaved_cells_run_every_engine_on_every_cpu_set():
+    """run_cells: with pinned engines, repeat r runs engine i on set (i + r) mod n; the
+    warm-up runs on the starting sets."""
+    from types import SimpleNamespace
+
+    from benchmarks.throughput import run_cells
+
+    log = []
+
+    class FakeEngine:
+        def __init__(self, name):
+            self.name, self.spec, self.cpus = name, {"method": "x"}, None
+
+        def pin(self, cpus):
+            self.cpus = cpus
+
+        def __call__(self, what, temp, n, rep=0):
+            log.append((what, self.name, rep, self.cpus))
+            if what == "warm":
+                return [0.1, 0.1]
+            return Run(wall=1.0, tokens=8, drafts=4, accepted=4, iterations=4, gaps=(0.1,))
+
+    sets = [[0, 1], [2, 3], [4, 5]]
+    args = SimpleNamespace(temps=[0.0], batches=[1], repeats=3, cpu_sets=sets,
+                           profile=False)
+    bar = SimpleNamespace(write=lambda *_: None, update=lambda *_: None)
+    rows = run_cells(args, [FakeEngine(m) for m in "abc"], bar)
+    assert len(rows) == 3
+    assert [c for w, _, _, c in log if w == "warm"] == sets
+    for name in "abc":
+        ran_on = [c for w, e, _, c in log if w == "run" and e == name]
+        assert sorted(ran_on) == sets  # every set once
+    assert [(e, c) for w, e, r, c in log if w == "run" and r == 1][0] == ("c", [0, 1])
