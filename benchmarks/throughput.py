@@ -47,6 +47,26 @@ from benchmarks.pooled import INPROC, reference
 # method suffix: the engine runs the package copy in --base-src
 BASE = "@base"
 
+
+def has_suffix(name: str, suffix: str) -> bool:
+    """Whether method ``name`` carries ``suffix``; suffixes combine in any order
+    (``ddtree-15@base@inproc``)."""
+    return suffix.lstrip("@") in name.split("@")[1:]
+
+
+def check_base_modules(name: str, base_src: Path) -> None:
+    """Every loaded ``vllm_ddtree`` module of an ``@base`` engine comes from
+    ``base_src`` (RuntimeError naming the others): a before/after run must not time the
+    installed package under the base's name."""
+    base = Path(base_src).resolve()
+    others = sorted(k for k, m in list(sys.modules.items())
+                    if (k == "vllm_ddtree" or k.startswith("vllm_ddtree."))
+                    and getattr(m, "__file__", None)
+                    and not Path(m.__file__).resolve().is_relative_to(base))
+    if others:
+        raise RuntimeError(f"{name}: modules {others[:5]} not from the copy in "
+                           f"--base-src {base_src}")
+
 DEFAULT_PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -210,25 +230,23 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
     import traceback
 
     try:
-        if name.endswith(BASE):  # the copy in --base-src before the installed package
-            sys.path.insert(0, str(args.base_src))
+        base = has_suffix(name, BASE)
+        if base:  # the copy in --base-src before the installed package
+            base_src = str(Path(args.base_src).resolve())
+            sys.path.insert(0, base_src)
             os.environ["PYTHONPATH"] = os.pathsep.join(
-                [str(args.base_src)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+                [base_src] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         if cpus:  # this process and every process it starts (the engine core) stay there
             os.sched_setaffinity(0, cpus)
-        if args.profile or name.endswith(INPROC):  # the profiler sees only this process
+        if args.profile or has_suffix(name, INPROC):  # the profiler sees only this process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import SamplingParams
 
         from vllm_ddtree.testing.engines import shutdown
 
         llm = make_engine(args, spec, width)
-        if name.endswith(BASE):
-            import vllm_ddtree
-
-            if not Path(vllm_ddtree.__file__).is_relative_to(Path(args.base_src).resolve()):
-                raise RuntimeError(f"{name}: imported {vllm_ddtree.__file__}, not the copy "
-                                   f"in --base-src {args.base_src}")
+        if base:
+            check_base_modules(name, args.base_src)
         marks = mark_outputs(llm)
         if args.host_timing:
             from benchmarks.hosttime import timer_for
@@ -237,7 +255,11 @@ def engine_worker(args, name, spec, width, prompts, conn, cpus=None) -> None:
         else:
             timer = None
         llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-        conn.send((True, type(llm.llm_engine.engine_core).__name__))  # ready: core client
+        import vllm_ddtree
+
+        # ready: the core client and the package this engine runs
+        conn.send((True, (type(llm.llm_engine.engine_core).__name__,
+                          str(Path(vllm_ddtree.__file__).resolve().parent))))
         while (cmd := conn.recv()) is not None:
             if cmd[0] == "pin":
                 pin_process_tree(cmd[1])
@@ -286,7 +308,7 @@ class Engine:
         try:
             # ready (started one at a time: vLLM profiles memory at start); the engine
             # core's client class says whether the core is in-process
-            self.core = self._reply()
+            self.core, self.package = self._reply()
         except BaseException:
             self._end()
             raise
@@ -399,14 +421,15 @@ def run_cells(args, engines: list[Engine], bar) -> list[dict]:
 
 
 def run_methods(args, methods, prompts, bar) -> list[dict]:
-    """Every cell of every method; ``args.engine_core`` gets each engine's core client."""
-    args.engine_core = {}
+    """Every cell of every method; ``args.engine_core`` and ``args.engine_package`` get
+    each engine's core client and the directory of the vllm_ddtree it runs."""
+    args.engine_core, args.engine_package = {}, {}
     if args.sequential:
         rows = []
         for name, spec, width in methods:
             bar.set_postfix_str(name)
             e = Engine(args, name, spec, width, prompts)
-            args.engine_core[name] = e.core
+            args.engine_core[name], args.engine_package[name] = e.core, e.package
             try:
                 rows += run_cells(args, [e], bar)
             finally:
@@ -418,6 +441,7 @@ def run_methods(args, methods, prompts, bar) -> list[dict]:
             bar.set_postfix_str(f"starting {name}")
             engines.append(Engine(args, name, spec, width, prompts, cpus))
             args.engine_core[name] = engines[-1].core
+            args.engine_package[name] = engines[-1].package
         bar.set_postfix_str("interleaved")
         return run_cells(args, engines, bar)
     finally:
@@ -649,11 +673,11 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1")
     if args.trace and not args.profile:
         ap.error("--trace needs --profile")
-    if any(m.endswith(BASE) for m in args.methods.split(",")):
+    if any(has_suffix(m, BASE) for m in args.methods.split(",")):
         if args.base_src is None or not (args.base_src / "vllm_ddtree").is_dir():
             ap.error("methods with @base need --base-src DIR holding a vllm_ddtree copy")
         args.base_src = args.base_src.resolve()
-    if args.host_timing and not all(m.endswith(INPROC) for m in args.methods.split(",")):
+    if args.host_timing and not all(has_suffix(m, INPROC) for m in args.methods.split(",")):
         ap.error("--host-timing needs every method in-process: add @inproc to each")
     out = args.out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -699,7 +723,7 @@ def main(argv=None) -> int:
                 gpu_mem_per_engine=args.gpu_mem, topk_prune=True,  # build_tree's default
                 engine_cpus={m[0]: c for m, c in zip(methods, args.cpu_sets)},
                 cpu_sets_rotate=len(methods) > 1 and None not in args.cpu_sets,
-                engine_core=args.engine_core)
+                engine_core=args.engine_core, engine_package=args.engine_package)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "throughput.png")
     print(f"\n{'method':<18} {'T':>3} {'batch':>5} {'tau':>6} {'step ms':>8} {'tok/s':>9} "

@@ -135,21 +135,27 @@ def test_throughput_profile_cpu_smoke(tmp_path):
 
 def test_base_src_engine_runs_the_package_copy(tmp_path):
     """A method with the suffix @base runs the package copy in --base-src (its engine
-    process checks where vllm_ddtree came from and fails otherwise), side by side with
-    the installed package; without --base-src the harness refuses it."""
+    process checks that every loaded vllm_ddtree module came from there and fails
+    otherwise), side by side with the installed package, also combined with @inproc;
+    without --base-src the harness refuses it."""
     import shutil
 
     base = tmp_path / "base"
     shutil.copytree(ROOT / "vllm_ddtree", base / "vllm_ddtree",
                     ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    run_harness(tmp_path / "out", "--methods", "dflash,ddtree-30@base", "--batches", "1",
-                "--max-tokens", "6", "--base-src", str(base))
-    rows = {r["method"]: r for r in
-            json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
-    assert set(rows) == {"dflash", "ddtree-30@base"}
+    run_harness(tmp_path / "out", "--methods", "dflash,ddtree-30@base,ddtree-30@base@inproc",
+                "--batches", "1", "--max-tokens", "6", "--base-src", str(base))
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {r["method"]: r for r in results["rows"]}
+    assert set(rows) == {"dflash", "ddtree-30@base", "ddtree-30@base@inproc"}
+    packages = results["meta"]["engine_package"]
+    assert packages["dflash"] == str((ROOT / "vllm_ddtree").resolve())
+    for name in ("ddtree-30@base", "ddtree-30@base@inproc"):
+        assert packages[name] == str((base / "vllm_ddtree").resolve())
     # the fixture's tree accepts one draft per step (as in the smoke test above)
-    assert rows["ddtree-30@base"]["tau"] == pytest.approx(2.0, abs=0.15)
-    assert rows["ddtree-30@base"]["vs_dflash"] > 0
+    for name in ("ddtree-30@base", "ddtree-30@base@inproc"):
+        assert rows[name]["tau"] == pytest.approx(2.0, abs=0.15)
+        assert rows[name]["vs_dflash"] > 0
     proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--cpu",
                            "--fixture", "tree_beats_chain", "--out", str(tmp_path / "x"),
                            "--methods", "ddtree-30@base"], capture_output=True, text=True,

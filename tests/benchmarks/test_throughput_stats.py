@@ -9,7 +9,9 @@ from benchmarks.throughput import (
     add_ratios,
     build_methods,
     cell_row,
+    check_base_modules,
     cpu_sets,
+    has_suffix,
     pin_process_tree,
     rotated,
     trim_stalls,
@@ -275,3 +277,23 @@ def test_interleaved_cells_run_every_engine_on_every_cpu_set():
         ran_on = [c for w, e, _, c in log if w == "run" and e == name]
         assert sorted(ran_on) == sets  # every set once
     assert [(e, c) for w, e, r, c in log if w == "run" and r == 1][0] == ("c", [0, 1])
+
+
+def test_method_suffixes_combine_in_any_order():
+    assert has_suffix("ddtree-15@base@inproc", "@base")
+    assert has_suffix("ddtree-15@base@inproc", "@inproc")
+    assert has_suffix("ddtree-15@inproc@base", "@base")
+    assert not has_suffix("ddtree-15@inproc", "@base")
+    assert not has_suffix("base", "@base") and not has_suffix("ddtree-15", "@inproc")
+
+
+def test_base_engine_refuses_modules_from_elsewhere(tmp_path):
+    """This test process has the checkout's vllm_ddtree loaded: a base directory that
+    does not hold it is refused, the checkout's own directory is accepted."""
+    from pathlib import Path
+
+    import vllm_ddtree
+
+    with pytest.raises(RuntimeError, match="not from the copy"):
+        check_base_modules("ddtree-15@base", tmp_path)
+    check_base_modules("ddtree-15@base", Path(vllm_ddtree.__file__).parent.parent)
