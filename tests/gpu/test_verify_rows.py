@@ -10,6 +10,7 @@ import torch
 from vllm_ddtree.gpu.verify_rows import (
     KVCompactor,
     causal_words,
+    commit_states,
     compact_kv_torch,
     fill_tree_rows,
     fill_tree_rows_torch,
@@ -83,6 +84,30 @@ def test_fill_triton_matches_reference():
         fill_tree_rows(**a, out_bits=bits, out_positions=rope, num_reqs=5, impl=impl)
         outs.append((bits.cpu(), rope.cpu()))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@needs_interp
+@pytest.mark.parametrize("budget", [15, 40])
+def test_commit_states_triton_matches_reference(budget):
+    """The one-launch commit against the per-buffer index_put: the batch rows land in
+    their states' rows (shuffled, not all states), every other state row untouched."""
+    g = torch.Generator().manual_seed(budget)
+    S, W, NW, n = 7, budget + 1, (budget + 32) // 32, 4
+    shapes = [((S, W, NW), torch.int32), ((S, W), torch.int64), ((S, budget), torch.int64),
+              ((S, budget), torch.int64)]
+    srcs = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
+    dsts = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
+    idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
+    outs = []
+    for impl in ("torch", "triton"):
+        pairs = [(a.to(DEV), b.to(DEV).clone()) for a, b in zip(srcs, dsts)]
+        commit_states(idx.to(DEV), pairs, n, impl=impl)
+        outs.append([d.cpu() for _, d in pairs])
+    for want, got, src, dst in zip(outs[0], outs[1], srcs, dsts):
+        assert torch.equal(want, got)
+        assert torch.equal(got[idx.long()], src[:n])
+        rest = torch.tensor([s not in idx.tolist() for s in range(S)])
+        assert torch.equal(got[rest], dst[rest])
 
 
 def _paged(seed, L=3, nblocks=12, bs=16, H=2, width=8, dtype=torch.float32):

@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from vllm_ddtree.gpu.tree_store import store_trees
-from vllm_ddtree.gpu.verify_rows import causal_words, fill_tree_rows, use_triton, walk_verify
+from vllm_ddtree.gpu.verify_rows import (
+    causal_words,
+    commit_states,
+    fill_tree_rows,
+    use_triton,
+    walk_verify,
+)
 from vllm_ddtree.tree import DraftTree, nonfinite_requests, walk_tree
 
 
@@ -146,12 +152,12 @@ class TreeBuffers:
         idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
         num_reqs: int,
     ) -> None:
-        """Scatter batch rows ``0..num_reqs`` to their request states."""
-        states = idx_mapping[:num_reqs].long()
-        self.ancestor_bits[states] = self.batch_ancestor_bits[:num_reqs]
-        self.depths[states] = self.batch_depths[:num_reqs]
-        self.parents[states] = self.batch_parents[:num_reqs]
-        self.walk_tokens[states] = self.batch_walk_tokens[:num_reqs]
+        """Scatter batch rows ``0..num_reqs`` to their request states (one launch on
+        CUDA: :func:`~vllm_ddtree.gpu.verify_rows.commit_states`)."""
+        commit_states(idx_mapping, [(self.batch_ancestor_bits, self.ancestor_bits),
+                                    (self.batch_depths, self.depths),
+                                    (self.batch_parents, self.parents),
+                                    (self.batch_walk_tokens, self.walk_tokens)], num_reqs)
 
     # -- target side ----------------------------------------------------------------
     def fill_rows(

@@ -138,6 +138,65 @@ def fill_tree_rows(
         BLOCK_W=triton.next_power_of_2(num_words), num_warps=4)
 
 
+# --------------------------------------------------------------------------- commit
+
+
+def commit_states_torch(
+    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],  # (batch [S, ...], by state [S, ...])
+    num_reqs: int,
+) -> None:
+    """Reference of :func:`commit_states`."""
+    states = idx_mapping[:num_reqs].long()
+    for src, dst in pairs:
+        dst[states] = src[:num_reqs]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _copy_row(SRC, DST, r, s, LEN: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, LEN, BLOCK):
+            ok = start + offs < LEN
+            v = tl.load(SRC + r * LEN + start + offs, mask=ok)
+            tl.store(DST + s * LEN + start + offs, v, mask=ok)
+
+    @triton.jit
+    def _commit_states_kernel(IDX, S0, D0, S1, D1, S2, D2, S3, D3,
+                              LEN0: tl.constexpr, LEN1: tl.constexpr, LEN2: tl.constexpr,
+                              LEN3: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        s = tl.load(IDX + r).to(tl.int64)
+        _copy_row(S0, D0, r, s, LEN0, BLOCK)
+        _copy_row(S1, D1, r, s, LEN1, BLOCK)
+        _copy_row(S2, D2, r, s, LEN2, BLOCK)
+        _copy_row(S3, D3, r, s, LEN3, BLOCK)
+
+
+def commit_states(
+    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],  # 4 x (batch [S, ...], by state [S, ...])
+    num_reqs: int,
+    impl: str = "auto",
+) -> None:
+    """Copy rows ``0..num_reqs`` of each batch buffer to the rows of their request
+    states: one launch for the four buffers (the torch path: an index_put per buffer).
+    Every buffer is contiguous and each pair has one shape and dtype."""
+    if num_reqs == 0:
+        return
+    if not use_triton(impl, idx_mapping) or len(pairs) != 4:
+        return commit_states_torch(idx_mapping, pairs, num_reqs)
+    args, lens = [], []
+    for src, dst in pairs:
+        assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
+        args += [src, dst]
+        lens.append(src[0].numel())
+    block = min(1024, triton.next_power_of_2(max(lens)))
+    _commit_states_kernel[(num_reqs,)](idx_mapping, *args, LEN0=lens[0], LEN1=lens[1],
+                                       LEN2=lens[2], LEN3=lens[3], BLOCK=block, num_warps=4)
+
+
 # --------------------------------------------------------------------------- KV compaction
 
 
