@@ -14,6 +14,7 @@ from vllm_ddtree.gpu.verify_rows import (
     compact_kv_torch,
     fill_tree_rows,
     fill_tree_rows_torch,
+    hidden_row_perm,
 )
 from vllm_ddtree.tree import build_tree, tree_layout
 
@@ -108,6 +109,24 @@ def test_commit_states_triton_matches_reference(budget):
         assert torch.equal(got[idx.long()], src[:n])
         rest = torch.tensor([s not in idx.tolist() for s in range(S)])
         assert torch.equal(got[rest], dst[rest])
+
+
+@needs_interp
+@pytest.mark.parametrize("num_rows", [1, 17, 300])
+def test_hidden_row_perm_triton_matches_reference(num_rows):
+    """The one-launch permutation (a binary search in the increasing logits indices)
+    against the arange/gather/index_put reference: logits rows scattered among other
+    rows (prefill rows, padding), each taking a random logits row's token row."""
+    g = torch.Generator().manual_seed(num_rows)
+    num_logits = max(1, num_rows // 3)
+    li = torch.randperm(num_rows, generator=g)[:num_logits].sort().values.to(torch.int32)
+    src = torch.randint(0, num_logits, (num_logits,), generator=g)
+    want = hidden_row_perm(li, src, num_rows, 512, impl="torch")
+    got = hidden_row_perm(li.to(DEV), src.to(DEV), num_rows, 512, impl="triton").cpu()
+    assert torch.equal(want, got)
+    other = torch.ones(num_rows, dtype=torch.bool)
+    other[li.long()] = False
+    assert torch.equal(got[other], torch.arange(num_rows)[other])  # untouched rows
 
 
 def _paged(seed, L=3, nblocks=12, bs=16, H=2, width=8, dtype=torch.float32):

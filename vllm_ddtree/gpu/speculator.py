@@ -34,7 +34,7 @@ from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.gpu.buffers import Accepted, TreeBuffers
-from vllm_ddtree.gpu.verify_rows import KVCompactor
+from vllm_ddtree.gpu.verify_rows import KVCompactor, hidden_row_perm
 from vllm_ddtree.logger import init_logger
 from vllm_ddtree.tree import DraftTree, build_tree
 
@@ -173,9 +173,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             num_rows = aux_hidden_states[0].shape[0] if aux_hidden_states else \
                 last_hidden_states.shape[0]
             # [num_rows]: hidden-state row that moves to each row (accepted path first)
-            perm = torch.arange(num_rows, device=self.device)
-            logits_indices = input_batch.logits_indices.long()
-            perm[logits_indices] = logits_indices[accepted.src_logit_row]
+            perm = hidden_row_perm(input_batch.logits_indices, accepted.src_logit_row,
+                                   num_rows, self.max_num_tokens)
             if aux_hidden_states:
                 aux_hidden_states = [torch.cat(aux_hidden_states, dim=-1)[perm]]
             else:

@@ -306,6 +306,73 @@ class KVCompactor:
             BLOCK_E=min(4096, triton.next_power_of_2(row)), num_warps=4)
 
 
+# --------------------------------------------------------------------------- row permutation
+
+
+def hidden_row_perm_torch(
+    logits_indices: torch.Tensor,  # [num_logits] token row of every logits row
+    src_logit_row: torch.Tensor,  # [num_logits] int64 logits row whose state moves here
+    num_rows: int,
+) -> torch.Tensor:  # [num_rows] int64
+    """Reference of :func:`hidden_row_perm`."""
+    perm = torch.arange(num_rows, device=logits_indices.device)
+    rows = logits_indices.long()
+    perm[rows] = rows[src_logit_row]
+    return perm
+
+
+if HAS_TRITON:
+
+    # num_rows and num_logits change every step: one compiled variant for all of them
+    @triton.jit(do_not_specialize=["num_rows", "num_logits"])
+    def _hidden_row_perm_kernel(LI, SRC, PERM, num_rows, num_logits,
+                                LOG2_LOGITS: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        # the logits row at token row t, if any: binary search in the increasing LI
+        lo = tl.zeros((BLOCK,), tl.int64)
+        hi = tl.zeros((BLOCK,), tl.int64) + num_logits
+        for _ in range(LOG2_LOGITS + 1):
+            mid = (lo + hi) // 2
+            open_ = lo < hi
+            v = tl.load(LI + mid, mask=open_ & (mid < num_logits), other=0).to(tl.int64)
+            below = v < t
+            lo = tl.where(open_ & below, mid + 1, lo)
+            hi = tl.where(open_ & ~below, mid, hi)
+        hit = lo < num_logits
+        at = tl.load(LI + lo, mask=hit, other=-1).to(tl.int64)
+        hit = hit & (at == t)
+        src = tl.load(SRC + lo, mask=hit, other=0)
+        moved = tl.load(LI + src, mask=hit, other=0).to(tl.int64)
+        tl.store(PERM + t, tl.where(hit, moved, t), mask=t < num_rows)
+
+
+def hidden_row_perm(
+    logits_indices: torch.Tensor,  # [num_logits] increasing token row of every logits row
+    src_logit_row: torch.Tensor,  # [num_logits] int64 logits row whose state moves here
+    num_rows: int,
+    max_num_rows: int,
+    impl: str = "auto",
+) -> torch.Tensor:  # [num_rows] int64
+    """The token row whose hidden state moves to each token row: logits row ``i``
+    (token row ``logits_indices[i]``) takes the one of logits row ``src_logit_row[i]``
+    (the accepted path first), every other row keeps its own.  One launch on CUDA (a
+    binary search of each row in ``logits_indices``, which vLLM lays out in increasing
+    order) instead of an arange, a gather and an index_put.  ``max_num_rows`` (the
+    engine's token budget) sets the search's steps, so every step takes one compiled
+    variant."""
+    if not use_triton(impl, logits_indices):
+        return hidden_row_perm_torch(logits_indices, src_logit_row, num_rows)
+    perm = torch.empty(num_rows, dtype=torch.int64, device=logits_indices.device)
+    num_logits = logits_indices.shape[0]
+    if num_rows:
+        block = 256
+        _hidden_row_perm_kernel[(triton.cdiv(num_rows, block),)](
+            logits_indices, src_logit_row, perm, num_rows, num_logits,
+            LOG2_LOGITS=max(max_num_rows, num_logits, 2).bit_length(), BLOCK=block,
+            num_warps=4)
+    return perm
+
+
 # --------------------------------------------------------------------------- fused walk
 
 if HAS_TRITON:
