@@ -88,7 +88,7 @@ def test_fill_triton_matches_reference():
 
 
 @needs_interp
-@pytest.mark.parametrize("budget", [15, 40])
+@pytest.mark.parametrize("budget", [15, 40, 600])  # 600: rows past one 1024-wide block
 def test_commit_states_triton_matches_reference(budget):
     """The one-launch commit against the per-buffer index_put: the batch rows land in
     their states' rows (shuffled, not all states), every other state row untouched."""
@@ -98,11 +98,13 @@ def test_commit_states_triton_matches_reference(budget):
               ((S, budget), torch.int64)]
     srcs = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
     dsts = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
-    idx = torch.tensor([5, 0, 3, 6], dtype=torch.int32)
+    # int64 as vLLM 0.32 passes it; a longer mapping than the batch (its tail unused)
+    idx_long = torch.tensor([5, 0, 3, 6, 1], dtype=torch.int64)
+    idx = idx_long[:n]
     outs = []
     for impl in ("torch", "triton"):
         pairs = [(a.to(DEV), b.to(DEV).clone()) for a, b in zip(srcs, dsts)]
-        commit_states(idx.to(DEV), pairs, n, impl=impl)
+        commit_states(idx_long.to(DEV), pairs, n, impl=impl)
         outs.append([d.cpu() for _, d in pairs])
     for want, got, src, dst in zip(outs[0], outs[1], srcs, dsts):
         assert torch.equal(want, got)
@@ -113,13 +115,14 @@ def test_commit_states_triton_matches_reference(budget):
 
 @needs_interp
 @pytest.mark.parametrize("num_rows", [1, 17, 300])
-def test_hidden_row_perm_triton_matches_reference(num_rows):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_hidden_row_perm_triton_matches_reference(num_rows, dtype):
     """The one-launch permutation (a binary search in the increasing logits indices)
     against the arange/gather/index_put reference: logits rows scattered among other
     rows (prefill rows, padding), each taking a random logits row's token row."""
     g = torch.Generator().manual_seed(num_rows)
     num_logits = max(1, num_rows // 3)
-    li = torch.randperm(num_rows, generator=g)[:num_logits].sort().values.to(torch.int32)
+    li = torch.randperm(num_rows, generator=g)[:num_logits].sort().values.to(dtype)
     src = torch.randint(0, num_logits, (num_logits,), generator=g)
     want = hidden_row_perm(li, src, num_rows, 512, impl="torch")
     got = hidden_row_perm(li.to(DEV), src.to(DEV), num_rows, 512, impl="triton").cpu()

@@ -191,7 +191,7 @@ def commit_states(
     for src, dst in pairs:
         assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
         args += [src, dst]
-        lens.append(src[0].numel())
+        lens.append(src.stride(0))  # elements per row (contiguous)
     block = min(1024, triton.next_power_of_2(max(lens)))
     _commit_states_kernel[(num_reqs,)](idx_mapping, *args, LEN0=lens[0], LEN1=lens[1],
                                        LEN2=lens[2], LEN3=lens[3], BLOCK=block, num_warps=4)
@@ -362,8 +362,9 @@ def hidden_row_perm(
     variant."""
     if not use_triton(impl, logits_indices):
         return hidden_row_perm_torch(logits_indices, src_logit_row, num_rows)
-    perm = torch.empty(num_rows, dtype=torch.int64, device=logits_indices.device)
     num_logits = logits_indices.shape[0]
+    assert src_logit_row.shape[0] == num_logits  # the kernel reads SRC at logits rows
+    perm = torch.empty(num_rows, dtype=torch.int64, device=logits_indices.device)
     if num_rows:
         block = 256
         _hidden_row_perm_kernel[(triton.cdiv(num_rows, block),)](
