@@ -68,6 +68,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
         # copy into pinned memory, read one step later (no sync)
         self._nonfinite_host = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self._nonfinite_seen = self._nonfinite_host.numpy()  # its memory, read as numpy
         self._nonfinite_log = NonfiniteDraftLog()
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
@@ -199,7 +200,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         return out
 
     def _report_nonfinite(self) -> None:
-        seen = int(self._nonfinite_host[0])  # written by an earlier step's async copy
+        # written by an earlier step's async copy; a numpy read (indexing the tensor
+        # would make a tensor per step)
+        seen = int(self._nonfinite_seen[0])
         self._nonfinite_log.report(seen)
         self._nonfinite_host.copy_(self.tree_buffers.num_nonfinite, non_blocking=True)
 
