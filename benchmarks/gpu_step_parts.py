@@ -71,7 +71,8 @@ def case(R, B, topk_pruned, dev="cuda"):
     cu = qs.clone()
     T = R * W
     pos = (torch.arange(T, device=dev) % W + PREFIX).long()
-    fill = lambda: tb.fill_rows(qs, cu, idx, pos, R, T)
+    seq_lens = torch.full((R,), PREFIX + W, dtype=torch.int32, device=dev)
+    fill = lambda: tb.fill_rows(qs, cu, idx, pos, seq_lens, R, R, T)
     res["fill"] = timed(fill)
     res["fill/g"] = timed(graphed(fill))
     targets = draft_tokens.new_zeros(T)

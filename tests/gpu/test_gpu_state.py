@@ -55,7 +55,9 @@ def test_verify_step_matches_reference_walk():
     T, L = int(qs[-1]), int(cu[-1])
     pos = torch.cat([c + torch.arange(q) for c, q in zip([40, 0, 9, 70], q_lens)])
     idx = torch.tensor(order, dtype=torch.int32)
-    tb.fill_rows(qs, cu, idx, pos, 4, T)
+    seq_lens = torch.tensor([53, 4, 17, 83], dtype=torch.int32)
+    tb.fill_rows(qs, cu, idx, pos, seq_lens, 4, 4, T)
+    assert tb.prefix_lens[:4].tolist() == [40, 0, 9, 70]  # seq_len - q_len
     li = torch.cat([qs[b + 1] - n_logits[b] + torch.arange(n_logits[b]) for b in range(4)])
     # RoPE: tree rows at root + depth; chain rows linear; the prefill chunk untouched
     assert torch.equal(tb.row_positions[qs[3]:qs[4]], 70 + tb.depths[3])

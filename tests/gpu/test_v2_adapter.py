@@ -364,6 +364,7 @@ def test_two_engines_in_one_process_keep_their_own_buffers(v2_stubs):
     # one engine's step state drives only its own attention metadata
     first.tree_buffers.step_has_trees, second.tree_buffers.step_has_trees = True, False
     common = _common(query_start=[0, 7, 14], seq_lens=[20, 30], max_query_len=7)
+    _fill_rows(first.tree_buffers, common)
     meta = first.builder.build(0, common)
     assert meta.ddtree.row_bits is first.tree_buffers.row_bits
     assert meta.ddtree.max_rows == 7 and meta.ddtree.fused
@@ -394,6 +395,18 @@ def _common(query_start: list[int], seq_lens: list[int], max_query_len: int):
     return common
 
 
+def _fill_rows(tree_buffers, common) -> None:
+    """The model state's per-step fill for the batch ``common`` describes (every request
+    a tree of its q_len rows)."""
+    import torch
+
+    n = common.num_reqs
+    query_start = common.query_start_loc
+    num_tokens = int(query_start[-1])
+    tree_buffers.fill_rows(query_start, query_start.clone(), torch.arange(n, dtype=torch.int32),
+                           torch.arange(num_tokens), common.seq_lens, n, n, num_tokens)
+
+
 def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
     """In a fused tree step (every request within 1 + budget rows) vLLM's builder gets
     the prefix call's inputs (its FA3 schedule is the one forward's prefix call uses):
@@ -402,7 +415,9 @@ def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
 
     engine = _engine()
     engine.tree_buffers.step_has_trees = True
-    meta = engine.builder.build(5, _common([0, 7, 10], [20, 30], max_query_len=7))
+    common = _common([0, 7, 10], [20, 30], max_query_len=7)
+    _fill_rows(engine.tree_buffers, common)
+    meta = engine.builder.build(5, common)
     prefix_len, given = meta.args[:2]
     assert meta.ddtree.fused and prefix_len == 0
     assert given.causal is False and given.seq_lens.tolist() == [13, 27]
@@ -414,8 +429,12 @@ def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
     assert engine.builder.build(5, _common([0, 5, 6], [20, 30], 5)).ddtree.max_rows == 7
     # a step with a prefill chunk (8 rows > 1 + budget): vLLM's causal metadata
     common = _common([0, 8, 9], [20, 30], max_query_len=8)
+    _fill_rows(engine.tree_buffers, common)
     meta = engine.builder.build(5, common)
     assert not meta.ddtree.fused and meta.args[:2] == (5, common)
+    # the tree kernel recomputes request 1 (1 row <= 1 + budget), not the chunk
+    assert meta.ddtree.query_end.tolist() == [0, 9]
+    assert meta.ddtree.prefix_lens.tolist() == [12, 29]
     # a step without trees: vLLM's metadata, no tree part
     engine.tree_buffers.step_has_trees = False
     meta = engine.builder.build(5, common)
@@ -475,7 +494,8 @@ def test_target_step_builds_metadata_for_the_target_groups_only(v2_stubs, monkey
     other_tree = SimpleNamespace(backend=DDTreeFlashAttentionBackend, layer_names=["x"])
     attn_groups = [[tree, draft], [draft], [other_tree]]
     batch = SimpleNamespace(query_start_loc=None, cu_num_logits=None, idx_mapping=None,
-                            positions=None, num_reqs=2, num_tokens_after_padding=8,
+                            positions=None, seq_lens=None, num_reqs=2,
+                            num_reqs_after_padding=2, num_tokens_after_padding=8,
                             num_draft_tokens=6)
     for _ in range(2):
         engine.state.prepare_attn(batch, None, (), None, attn_groups, None)

@@ -51,8 +51,9 @@ def _attrs(owner: str, names: str) -> tuple[str, ...]:
 # Attributes the GPU (Model Runner V2) modules read from vLLM objects (vllm_ddtree/gpu/).
 _V2_ATTRS = (
     *_attrs("vllm.v1.worker.gpu.input_batch:InputBatch",
-            "idx_mapping idx_mapping_np num_reqs num_tokens_after_padding seq_lens "
-            "seq_lens_cpu_upper_bound query_start_loc positions num_draft_tokens input_ids "
+            "idx_mapping idx_mapping_np num_reqs num_reqs_after_padding "
+            "num_tokens_after_padding seq_lens seq_lens_cpu_upper_bound query_start_loc "
+            "positions num_draft_tokens input_ids "
             "expanded_idx_mapping cu_num_logits_np"),
     *_attrs("vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator",
             "num_speculative_steps draft_logits max_num_reqs max_num_tokens "

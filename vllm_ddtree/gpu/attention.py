@@ -96,11 +96,6 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._ddtree_buffers = bound_tree_buffers(vllm_config, layer_names)
-        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        self._ddtree_prefix = torch.zeros(max_num_reqs + 1, dtype=torch.int32,
-                                          device=device)  # [max_num_reqs + 1]
-        self._ddtree_query_end = torch.zeros(max_num_reqs + 1, dtype=torch.int32,
-                                             device=device)  # [max_num_reqs + 1]
         # read once, as vLLM's own builder does for its AOT schedule (a per-step call
         # walks vLLM's platform and config checks on the host)
         self._ddtree_fa3 = fa.get_flash_attn_version() == 3
@@ -114,10 +109,9 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
             return meta
         common = common_attn_metadata
         num_reqs = common.num_reqs
-        query_start = common.query_start_loc  # [num_reqs + 1] int32
-        query_lens = query_start[1 : num_reqs + 1] - query_start[:num_reqs]
-        prefix_lens = self._ddtree_prefix[:num_reqs]
-        torch.sub(common.seq_lens[:num_reqs], query_lens, out=prefix_lens)
+        # written for this step's requests by the model state's fill_rows (one launch
+        # with the rows' bits and positions)
+        prefix_lens = tree_buffers.prefix_lens[:num_reqs]
         max_rows = tree_buffers.max_rows
         fused = common.max_query_len <= max_rows and self._ddtree_fa3
         if fused:
@@ -135,9 +129,7 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
             # largest budget): the kernel's grid and tiling follow it
             max_rows = tree_buffers.kernel_rows(common.max_query_len)
         else:
-            query_end = self._ddtree_query_end[:num_reqs]
-            torch.where(query_lens <= max_rows, query_start[1 : num_reqs + 1],
-                        query_start[:num_reqs], out=query_end)
+            query_end = tree_buffers.query_end[:num_reqs]
         meta.ddtree = TreeAttnMeta(fused, prefix_lens, query_end, tree_buffers.row_bits,
                                    max_rows)
         return meta

@@ -10,9 +10,9 @@ Lifecycle of one decode step (all on the GPU, no host sync):
    *request-state* buffers (rows = vLLM's request-state index), like vLLM stores
    ``draft_tokens``;
 2. step t + 1: :meth:`TreeBuffers.fill_rows` gives every verify row its ancestor bits and
-   RoPE position; the target runs; :meth:`TreeBuffers.walk` draws nothing itself but turns
-   the target's per-row tokens into the accepted path, the emitted tokens and a row
-   permutation;
+   RoPE position and every request its prefix length; the target runs;
+   :meth:`TreeBuffers.walk` draws nothing itself but turns the target's per-row tokens
+   into the accepted path, the emitted tokens and a row permutation;
 3. ``propose`` of step t + 1 compacts the target KV along the path and feeds the
    drafter the accepted rows first.
 """
@@ -95,6 +95,11 @@ class TreeBuffers:
                                     device=device)  # [max_num_tokens, NW]
         # [max_num_tokens] int64: RoPE positions (tree rows: root position + depth)
         self.row_positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        # per request of the current target step, for the tree attention
+        # [S] int32: KV length before the step's rows
+        self.prefix_lens = torch.zeros(num_states, dtype=torch.int32, device=device)
+        # [S] int32: end of the rows a mixed step's tree kernel recomputes
+        self.query_end = torch.zeros(num_states, dtype=torch.int32, device=device)
         # [S] host bools: verify this request state as a chain
         self.chain_flag = np.zeros(num_states, dtype=bool)
         # host flag for the attention metadata builder: this step verifies trees
@@ -162,18 +167,22 @@ class TreeBuffers:
     # -- target side ----------------------------------------------------------------
     def fill_rows(
         self,
-        query_start: torch.Tensor,  # [num_reqs + 1] int32 vLLM's query_start_loc
+        query_start: torch.Tensor,  # [num_reqs_padded + 1] int32 vLLM's query_start_loc
         cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
         idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
         positions: torch.Tensor,  # [num_tokens_padded] int64 linear positions
+        seq_lens: torch.Tensor,  # [num_reqs_padded] int32
         num_reqs: int,
+        num_reqs_padded: int,
         num_tokens_padded: int,
     ) -> None:
         """This step's per-row ancestor bits and RoPE positions (``row_bits``,
-        ``row_positions``)."""
-        self.row_positions[:num_tokens_padded].copy_(positions[:num_tokens_padded])
-        fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, self.ancestor_bits,
-                       self.depths, self.row_bits, self.row_positions, num_reqs)
+        ``row_positions``) and per-request prefix lengths and recompute ends
+        (``prefix_lens``, ``query_end``): one launch."""
+        fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, seq_lens,
+                       self.ancestor_bits, self.depths, self.row_bits, self.row_positions,
+                       self.prefix_lens, self.query_end, num_reqs, num_reqs_padded,
+                       num_tokens_padded)
 
     def walk(
         self,

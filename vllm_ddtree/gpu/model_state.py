@@ -6,8 +6,9 @@ return this class from ``get_model_state_cls`` and carry its engine's
 ``cls(vllm_config, model, encoder_cache, device)`` with that same model.
 
 * ``prepare_attn``: every verify row's ancestor bits and RoPE position
-  (root + depth) go to persistent buffers; KV slots stay linear (vLLM computed them);
-  metadata is built for the target's attention groups only;
+  (root + depth) and every request's prefix length go to persistent buffers (one
+  launch); KV slots stay linear (vLLM computed them); metadata is built for the
+  target's attention groups only;
 * ``prepare_inputs`` / ``prepare_dummy_inputs``: RoPE reads the tree positions (one
   persistent buffer, so FULL CUDA graphs replay with the current step's values);
 * ``custom_sampler``: the verifier (:class:`~vllm_ddtree.gpu.verifier.DDTreeVerifier`);
@@ -123,7 +124,9 @@ class DDTreeModelState(DefaultModelState):
         tree_buffers = self.tree_buffers
         tree_buffers.fill_rows(input_batch.query_start_loc, input_batch.cu_num_logits,
                                input_batch.idx_mapping, input_batch.positions,
-                               input_batch.num_reqs, input_batch.num_tokens_after_padding)
+                               input_batch.seq_lens, input_batch.num_reqs,
+                               input_batch.num_reqs_after_padding,
+                               input_batch.num_tokens_after_padding)
         tree_buffers.step_has_trees = bool(for_capture or input_batch.num_draft_tokens > 0)
         return super().prepare_attn(input_batch, cudagraph_mode, block_tables, slot_mappings,
                                     self._target_attn_groups(attn_groups), kv_cache_config,

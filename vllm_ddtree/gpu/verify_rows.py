@@ -7,8 +7,9 @@ draft-less decodes) is causal.
 
 * :func:`fill_tree_rows` writes, for every request with ``q_len <= W`` (``W = 1 +
   budget``), each row's ancestor bits over its own request's rows (``[T, NW]`` int32,
-  ``NW = ceil(W / 32)``) and, for tree requests, the RoPE position ``root position +
-  depth``.  Trees come from per-request-state
+  ``NW = ceil(W / 32)``), every row's RoPE position (tree rows: ``root position +
+  depth``; the rest: vLLM's), and each request's prefix length and recompute range for
+  the tree attention.  Trees come from per-request-state
   buffers (``bits_by_state [S, W, NW]``, ``depth_by_state [S, W]``) gathered with
   ``idx_mapping`` because vLLM reorders requests between steps.
 * :class:`KVCompactor` copies, in every layer, the K/V row of accepted tree row
@@ -48,19 +49,30 @@ def causal_words(
 
 
 def fill_tree_rows_torch(
-    query_start: torch.Tensor,  # [num_reqs + 1] int32
+    query_start: torch.Tensor,  # [num_reqs_padded + 1] int32
     cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
     idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-    positions: torch.Tensor,  # [num_tokens] int64 linear positions
+    positions: torch.Tensor,  # [num_tokens_padded] int64 linear positions
+    seq_lens: torch.Tensor,  # [num_reqs_padded] int32 KV length after this step's rows
     bits_by_state: torch.Tensor,  # [S, W, NW] int32
     depth_by_state: torch.Tensor,  # [S, W] int64
     out_bits: torch.Tensor,  # [num_tokens, NW] int32
     out_positions: torch.Tensor,  # [num_tokens] int64
+    out_prefix_lens: torch.Tensor,  # [num_reqs_padded] int32
+    out_query_end: torch.Tensor,  # [num_reqs_padded] int32
     num_reqs: int,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
 ) -> None:
     """Reference of :func:`fill_tree_rows` (host loop)."""
     max_rows, num_words = bits_by_state.shape[1], bits_by_state.shape[2]
     starts, cu = query_start.tolist(), cu_num_logits.tolist()
+    out_positions[:num_tokens_padded] = positions[:num_tokens_padded]
+    n = num_reqs_padded
+    query_lens = query_start[1 : n + 1] - query_start[:n]
+    out_prefix_lens[:n] = seq_lens[:n] - query_lens
+    out_query_end[:n] = torch.where(query_lens <= max_rows, query_start[1 : n + 1],
+                                    query_start[:n])
     for b in range(num_reqs):
         first, end = starts[b], starts[b + 1]
         query_len = end - first
@@ -78,64 +90,97 @@ def fill_tree_rows_torch(
 if HAS_TRITON:
 
     @triton.jit
-    def _fill_tree_rows_kernel(QS, CU, IDX, POS, BITS_S, DEPTH_S, OUT_BITS, OUT_POS,
-                               s_bs, s_br, s_ds, s_ob,
+    def _copy_positions(POS, OUT_POS, start, end, BLOCK_P: tl.constexpr):
+        offs = tl.arange(0, BLOCK_P)
+        for s in range(start, end, BLOCK_P):
+            ok = s + offs < end
+            tl.store(OUT_POS + s + offs, tl.load(POS + s + offs, mask=ok), mask=ok)
+
+    # the batch's sizes change every step: one compiled variant for all of them
+    @triton.jit(do_not_specialize=["num_reqs", "num_reqs_padded", "num_tokens_padded"])
+    def _fill_tree_rows_kernel(QS, CU, IDX, POS, SEQ, BITS_S, DEPTH_S, OUT_BITS, OUT_POS,
+                               OUT_PREFIX, OUT_QEND, num_reqs, num_reqs_padded,
+                               num_tokens_padded, s_bs, s_br, s_ds, s_ob,
                                MAX_ROWS: tl.constexpr, NUM_WORDS: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                               BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                               BLOCK_P: tl.constexpr):
         b = tl.program_id(0)
-        first = tl.load(QS + b)
-        query_len = tl.load(QS + b + 1) - first
-        if query_len > MAX_ROWS or query_len == 0:
+        if b == num_reqs_padded:  # token rows past the last request (graph padding)
+            _copy_positions(POS, OUT_POS, tl.load(QS + num_reqs_padded), num_tokens_padded,
+                            BLOCK_P)
             return
-        num_logits = tl.load(CU + b + 1) - tl.load(CU + b)
-        is_tree = (num_logits == query_len) & (query_len > 1)
-        state = tl.load(IDX + b).to(tl.int64)
-        rows = tl.arange(0, BLOCK_R)
-        words = tl.arange(0, BLOCK_W)
-        r_ok = rows < query_len
-        ok = r_ok[:, None] & (words < NUM_WORDS)[None, :]
-        if is_tree:
+        first = tl.load(QS + b)
+        end = tl.load(QS + b + 1)
+        query_len = end - first
+        fits = query_len <= MAX_ROWS
+        tl.store(OUT_PREFIX + b, tl.load(SEQ + b) - query_len)
+        tl.store(OUT_QEND + b, tl.where(fits, end, first))
+        real = b < num_reqs  # not a padding request
+        num_logits = tl.load(CU + b + 1, mask=real, other=0) - tl.load(CU + b, mask=real,
+                                                                        other=0)
+        if real & fits & (num_logits == query_len) & (query_len > 1):  # a tree
+            state = tl.load(IDX + b).to(tl.int64)
+            rows = tl.arange(0, BLOCK_R)
+            words = tl.arange(0, BLOCK_W)
+            r_ok = rows < query_len
+            ok = r_ok[:, None] & (words < NUM_WORDS)[None, :]
             bits = tl.load(BITS_S + state * s_bs + rows[:, None] * s_br + words[None, :],
                            mask=ok, other=0)
+            tl.store(OUT_BITS + (first + rows)[:, None] * s_ob + words[None, :], bits,
+                     mask=ok)
             depth = tl.load(DEPTH_S + state * s_ds + rows, mask=r_ok, other=0)
-            root = tl.load(POS + first)
-            tl.store(OUT_POS + first + rows, root + depth, mask=r_ok)
+            tl.store(OUT_POS + first + rows, tl.load(POS + first) + depth, mask=r_ok)
         else:
-            nbits = tl.minimum(tl.maximum(rows[:, None] + 1 - words[None, :] * 32, 0), 32)
-            low = (tl.full(nbits.shape, 1, tl.int64) << nbits.to(tl.int64)) - 1
-            bits = tl.where(nbits >= 32, -1, low.to(tl.int32))
-        tl.store(OUT_BITS + (first + rows)[:, None] * s_ob + words[None, :],
-                 bits.to(tl.int32), mask=ok)
+            _copy_positions(POS, OUT_POS, first, end, BLOCK_P)
+            if real & fits:
+                rows = tl.arange(0, BLOCK_R)
+                words = tl.arange(0, BLOCK_W)
+                ok = (rows < query_len)[:, None] & (words < NUM_WORDS)[None, :]
+                nbits = tl.minimum(tl.maximum(rows[:, None] + 1 - words[None, :] * 32, 0),
+                                   32)
+                low = (tl.full(nbits.shape, 1, tl.int64) << nbits.to(tl.int64)) - 1
+                bits = tl.where(nbits >= 32, -1, low.to(tl.int32))
+                tl.store(OUT_BITS + (first + rows)[:, None] * s_ob + words[None, :], bits,
+                         mask=ok)
 
 
 def fill_tree_rows(
-    query_start: torch.Tensor,  # [num_reqs + 1] int32
+    query_start: torch.Tensor,  # [num_reqs_padded + 1] int32
     cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
     idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-    positions: torch.Tensor,  # [num_tokens] int64 linear positions
+    positions: torch.Tensor,  # [num_tokens_padded] int64 linear positions
+    seq_lens: torch.Tensor,  # [num_reqs_padded] int32 KV length after this step's rows
     bits_by_state: torch.Tensor,  # [S, W, NW] int32
     depth_by_state: torch.Tensor,  # [S, W] int64
     out_bits: torch.Tensor,  # [num_tokens, NW] int32
-    out_positions: torch.Tensor,  # [num_tokens] int64, holding the linear positions
+    out_positions: torch.Tensor,  # [num_tokens] int64
+    out_prefix_lens: torch.Tensor,  # [num_reqs_padded] int32
+    out_query_end: torch.Tensor,  # [num_reqs_padded] int32
     num_reqs: int,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
     impl: str = "auto",
 ) -> None:
-    """See the module docstring.  ``out_positions`` must already hold the linear
-    positions (only tree rows are rewritten).  No host sync: ``num_reqs`` is a host int."""
-    if num_reqs == 0:
-        return
+    """See the module docstring; also every request's prefix length (``seq_lens -
+    q_len``) and the end of the rows the tree kernel recomputes in a mixed step
+    (``query_end``: the request's last row when ``q_len <= W``, else its first), for
+    the ``num_reqs_padded`` requests vLLM's attention metadata covers, and the linear
+    positions of every other row up to ``num_tokens_padded``.  One launch; no host
+    sync (the sizes are host ints)."""
     if not use_triton(impl, positions):
         return fill_tree_rows_torch(query_start, cu_num_logits, idx_mapping, positions,
-                                    bits_by_state, depth_by_state, out_bits, out_positions,
-                                    num_reqs)
+                                    seq_lens, bits_by_state, depth_by_state, out_bits,
+                                    out_positions, out_prefix_lens, out_query_end, num_reqs,
+                                    num_reqs_padded, num_tokens_padded)
     max_rows, num_words = bits_by_state.shape[1], bits_by_state.shape[2]
     assert bits_by_state.stride(2) == 1 and out_bits.stride(1) == 1
-    _fill_tree_rows_kernel[(num_reqs,)](
-        query_start, cu_num_logits, idx_mapping, positions, bits_by_state, depth_by_state,
-        out_bits, out_positions, bits_by_state.stride(0), bits_by_state.stride(1),
-        depth_by_state.stride(0), out_bits.stride(0),
+    _fill_tree_rows_kernel[(num_reqs_padded + 1,)](
+        query_start, cu_num_logits, idx_mapping, positions, seq_lens, bits_by_state,
+        depth_by_state, out_bits, out_positions, out_prefix_lens, out_query_end, num_reqs,
+        num_reqs_padded, num_tokens_padded, bits_by_state.stride(0),
+        bits_by_state.stride(1), depth_by_state.stride(0), out_bits.stride(0),
         MAX_ROWS=max_rows, NUM_WORDS=num_words, BLOCK_R=triton.next_power_of_2(max_rows),
-        BLOCK_W=triton.next_power_of_2(num_words), num_warps=4)
+        BLOCK_W=triton.next_power_of_2(num_words), BLOCK_P=256, num_warps=4)
 
 
 # --------------------------------------------------------------------------- commit
