@@ -68,7 +68,7 @@ _V2_ATTRS = (
     # where the tree attention builder finds its engine's buffers (its layers)
     "vllm.config.compilation:CompilationConfig.static_forward_context",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
-            "num_reqs query_start_loc seq_lens max_query_len causal replace"),
+            "num_reqs seq_lens max_query_len causal replace"),
     # verified as a chain (gpu/buffers.py needs_chain, gpu/model_state.py)
     "vllm.sampling_params:SamplingParams.thinking_token_budget",
     "vllm.config.model:ModelConfig.logits_processors",
