@@ -90,11 +90,12 @@ def fill_tree_rows_torch(
 if HAS_TRITON:
 
     @triton.jit
-    def _copy_positions(POS, OUT_POS, start, end, BLOCK_P: tl.constexpr):
-        offs = tl.arange(0, BLOCK_P)
-        for s in range(start, end, BLOCK_P):
-            ok = s + offs < end
-            tl.store(OUT_POS + s + offs, tl.load(POS + s + offs, mask=ok), mask=ok)
+    def _copy_span(SRC, DST, n, BLOCK: tl.constexpr):
+        """``DST[0:n] = SRC[0:n]``, ``BLOCK`` elements at a time."""
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n, BLOCK):
+            ok = start + offs < n
+            tl.store(DST + start + offs, tl.load(SRC + start + offs, mask=ok), mask=ok)
 
     # the batch's sizes change every step: one compiled variant for all of them
     @triton.jit(do_not_specialize=["num_reqs", "num_reqs_padded", "num_tokens_padded"])
@@ -106,8 +107,8 @@ if HAS_TRITON:
                                BLOCK_P: tl.constexpr):
         b = tl.program_id(0)
         if b == num_reqs_padded:  # token rows past the last request (graph padding)
-            _copy_positions(POS, OUT_POS, tl.load(QS + num_reqs_padded), num_tokens_padded,
-                            BLOCK_P)
+            start = tl.load(QS + num_reqs_padded)
+            _copy_span(POS + start, OUT_POS + start, num_tokens_padded - start, BLOCK_P)
             return
         first = tl.load(QS + b)
         end = tl.load(QS + b + 1)
@@ -118,12 +119,12 @@ if HAS_TRITON:
         real = b < num_reqs  # not a padding request
         num_logits = tl.load(CU + b + 1, mask=real, other=0) - tl.load(CU + b, mask=real,
                                                                         other=0)
+        rows = tl.arange(0, BLOCK_R)
+        words = tl.arange(0, BLOCK_W)
+        r_ok = rows < query_len
+        ok = r_ok[:, None] & (words < NUM_WORDS)[None, :]
         if real & fits & (num_logits == query_len) & (query_len > 1):  # a tree
             state = tl.load(IDX + b).to(tl.int64)
-            rows = tl.arange(0, BLOCK_R)
-            words = tl.arange(0, BLOCK_W)
-            r_ok = rows < query_len
-            ok = r_ok[:, None] & (words < NUM_WORDS)[None, :]
             bits = tl.load(BITS_S + state * s_bs + rows[:, None] * s_br + words[None, :],
                            mask=ok, other=0)
             tl.store(OUT_BITS + (first + rows)[:, None] * s_ob + words[None, :], bits,
@@ -131,11 +132,8 @@ if HAS_TRITON:
             depth = tl.load(DEPTH_S + state * s_ds + rows, mask=r_ok, other=0)
             tl.store(OUT_POS + first + rows, tl.load(POS + first) + depth, mask=r_ok)
         else:
-            _copy_positions(POS, OUT_POS, first, end, BLOCK_P)
+            _copy_span(POS + first, OUT_POS + first, query_len, BLOCK_P)
             if real & fits:
-                rows = tl.arange(0, BLOCK_R)
-                words = tl.arange(0, BLOCK_W)
-                ok = (rows < query_len)[:, None] & (words < NUM_WORDS)[None, :]
                 nbits = tl.minimum(tl.maximum(rows[:, None] + 1 - words[None, :] * 32, 0),
                                    32)
                 low = (tl.full(nbits.shape, 1, tl.int64) << nbits.to(tl.int64)) - 1
@@ -200,23 +198,15 @@ def commit_states_torch(
 if HAS_TRITON:
 
     @triton.jit
-    def _copy_row(SRC, DST, r, s, LEN: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        for start in range(0, LEN, BLOCK):
-            ok = start + offs < LEN
-            v = tl.load(SRC + r * LEN + start + offs, mask=ok)
-            tl.store(DST + s * LEN + start + offs, v, mask=ok)
-
-    @triton.jit
     def _commit_states_kernel(IDX, S0, D0, S1, D1, S2, D2, S3, D3,
                               LEN0: tl.constexpr, LEN1: tl.constexpr, LEN2: tl.constexpr,
                               LEN3: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         s = tl.load(IDX + r).to(tl.int64)
-        _copy_row(S0, D0, r, s, LEN0, BLOCK)
-        _copy_row(S1, D1, r, s, LEN1, BLOCK)
-        _copy_row(S2, D2, r, s, LEN2, BLOCK)
-        _copy_row(S3, D3, r, s, LEN3, BLOCK)
+        _copy_span(S0 + r * LEN0, D0 + s * LEN0, LEN0, BLOCK)
+        _copy_span(S1 + r * LEN1, D1 + s * LEN1, LEN1, BLOCK)
+        _copy_span(S2 + r * LEN2, D2 + s * LEN2, LEN2, BLOCK)
+        _copy_span(S3 + r * LEN3, D3 + s * LEN3, LEN3, BLOCK)
 
 
 def commit_states(
