@@ -24,6 +24,12 @@ table last; writes ``results.json`` (throughput's rows) and ``step_cost.json``. 
 every kernel compiled after its warm-up ("JIT compilation during inference"): grep the
 log for the kernels behind a stall.
 
+``--fit FILE...``: no run; the ``STEP_COST`` table of ``vllm_ddtree.adaptive.schedule``
+from the fixed-budget rows of earlier runs' ``step_cost.json`` (per batch and verify
+width, the mean over temperatures of DDTree-``B`` / DFlash-15 in the same run), then the
+schedule that table gives and its predicted tokens per second over DFlash (the model's
+tau over the chain's, times the step ratio).
+
 ``--profile``: each cell also runs once under torch.profiler (throughput's ``--profile``;
 the engine core then runs in the engine's process) and a second table says where each
 method's GPU time per step differs from DFlash's: GPU-busy ms per step, then the kernels
@@ -77,6 +83,51 @@ def step_rows(rows: list[dict]) -> list[dict]:
                         second_call_s=(r.get("warm_calls_s") or [None, None])[1],
                         equal_acceptance=equal))
     return out
+
+
+def fit_step_cost(rows: list[dict]) -> dict[int, dict[int, float]]:
+    """``{batch: {1 + B: mean over temperatures of DDTree-B's vs_dflash}}`` from
+    ``step_rows`` rows (equal-acceptance cells of fixed-budget methods of this checkout
+    only: ``@base`` rows ran other code, ``ddtree-auto`` has no single width)."""
+    acc: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        method = r["method"]
+        if (not method.startswith("ddtree-") or "@" in method or r["vs_dflash"] is None
+                or not r["equal_acceptance"]):
+            continue
+        budget = method.removeprefix("ddtree-")
+        if budget.isdigit():
+            acc.setdefault((r["batch"], 1 + int(budget)), []).append(r["vs_dflash"])
+    table: dict[int, dict[int, float]] = {}
+    for (batch, width), ratios in sorted(acc.items()):
+        table.setdefault(batch, {})[width] = round(statistics.fmean(ratios), 3)
+    return table
+
+
+def print_fit(table: dict[int, dict[int, float]], max_budget: int = 63) -> None:
+    """The fitted table as Python, and per measured batch the budget the schedule built on
+    it picks (drafter depth 15, budgets up to ``max_budget``) and that pick's predicted
+    throughput over DFlash-15: the paper's tau of the tree over the chain's, over the
+    step ratio."""
+    from vllm_ddtree.adaptive import schedule
+
+    print("STEP_COST = {")
+    for batch, row in table.items():
+        print(f"    {batch}: {{" + ", ".join(f"{w}: {v:.3f}" for w, v in row.items()) + "},")
+    print("}")
+    saved = schedule.STEP_COST
+    schedule.STEP_COST = table
+    try:
+        print(f"\n{'batch':>5} {'pick':>5} {'tau':>6} {'step vs DFlash':>14} {'predicted':>9}")
+        for batch in table:
+            b = schedule.best_budget(batch, max_budget, 15)
+            cost = schedule.step_cost(batch, 1 + b)
+            tau = schedule.tau(b, 15)
+            print(f"{batch:>5} {b:>5} {tau:>6.2f} {cost:>14.3f} "
+                  f"{tau / schedule.CHAIN_TAU / cost:>9.3f}")
+        print("schedule:", schedule.budget_schedule(max_budget, 15))
+    finally:
+        schedule.STEP_COST = saved
 
 
 def print_table(rows: list[dict]) -> None:
@@ -146,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile each cell once and compare kernels with DFlash's")
     ap.add_argument("--cpu", action="store_true", help="smoke settings: tiny shape on CPU")
+    ap.add_argument("--fit", nargs="+", default=None, metavar="STEP_COST_JSON",
+                    help="no run: fit the schedule's step-cost table to these runs' rows")
     args = ap.parse_args(argv)
+    if args.fit:
+        rows = [r for f in args.fit for r in json.loads(Path(f).read_text())["rows"]]
+        print_fit(fit_step_cost(rows))
+        return 0
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
-from benchmarks.step_cost import kernel_diffs, step_rows
+from benchmarks.step_cost import fit_step_cost, kernel_diffs, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +76,21 @@ def test_step_rows_ratio_and_equal_acceptance_flag():
     # a tree that accepts 25% less: its ratio is not pure step cost, and the cell says so
     assert not by[("ddtree-63", 8)]["equal_acceptance"]
     assert not by[("dflash", 8)]["equal_acceptance"]
+
+
+def test_fit_step_cost_means_temperatures_per_batch_and_width():
+    """Widths are 1 + B; T = 0 and T = 1 are averaged; cells that did not accept alike,
+    other code (@base) and the adaptive engine stay out of the fit."""
+    def row(method, temp, batch, ratio, equal=True):
+        return dict(method=method, temperature=temp, batch=batch, vs_dflash=ratio,
+                    equal_acceptance=equal)
+
+    rows = [row("dflash", 0, 1, 1.0), row("ar", 0, 1, 0.2),
+            row("ddtree-15", 0, 1, 1.00), row("ddtree-15", 1, 1, 1.02),
+            row("ddtree-63", 0, 1, 1.08), row("ddtree-63", 1, 1, 1.10),
+            row("ddtree-63@base", 0, 1, 1.5), row("ddtree-auto", 0, 1, 1.5),
+            row("ddtree-31", 0, 8, 1.3), row("ddtree-31", 1, 8, 2.0, equal=False)]
+    assert fit_step_cost(rows) == {1: {16: 1.01, 64: 1.09}, 8: {32: 1.3}}
 
 
 @pytest.mark.vllm

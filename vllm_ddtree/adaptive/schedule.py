@@ -49,9 +49,11 @@ VERIFY_GROWTH: dict[int, dict[int, float]] = {
     16: {1: 1.00, 16: 1.31, 32: 1.67, 64: 2.52, 128: 4.34, 256: 8.20, 512: 16.5},
     64: {1: 1.00, 16: 1.66, 32: 2.26, 64: 3.56, 128: 6.25, 256: 12.0},
 }
-# budget -> acceptance length (paper, Qwen3-8B, MATH-500, T = 0; chain with D = 15: 7.79)
+# budget -> acceptance length (paper, Qwen3-8B, MATH-500, T = 0), and the DFlash chain's
+# (D = 15) on the same data
 TAU: dict[int, float] = {16: 8.6, 32: 9.25, 64: 9.75, 128: 10.2, 256: 10.43, 512: 10.73,
                          1024: 10.97}
+CHAIN_TAU = 7.79
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
