@@ -25,10 +25,11 @@ every kernel compiled after its warm-up ("JIT compilation during inference"): gr
 log for the kernels behind a stall.
 
 ``--fit FILE...``: no run; the ``STEP_COST`` table of ``vllm_ddtree.adaptive.schedule``
-from the fixed-budget rows of earlier runs' ``step_cost.json`` (per batch and verify
-width, the mean over temperatures of DDTree-``B`` / DFlash-15 in the same run), then the
-schedule that table gives and its predicted tokens per second over DFlash (the model's
-tau over the chain's, times the step ratio).
+from the fixed-budget rows of earlier runs' ``step_cost.json`` (or files of named runs;
+per batch and verify width, the mean over temperatures of DDTree-``B`` / DFlash-15 in
+the same run; cells no run measured keep their current value), then the schedule that
+table gives and its predicted tokens per second over DFlash (the model's tau over the
+chain's, over the step ratio).
 
 ``--profile``: each cell also runs once under torch.profiler (throughput's ``--profile``;
 the engine core then runs in the engine's process) and a second table says where each
@@ -104,13 +105,40 @@ def fit_step_cost(rows: list[dict]) -> dict[int, dict[int, float]]:
     return table
 
 
-def print_fit(table: dict[int, dict[int, float]], max_budget: int = 63) -> None:
-    """The fitted table as Python, and per measured batch the budget the schedule built on
-    it picks (drafter depth 15, budgets up to ``max_budget``) and that pick's predicted
-    throughput over DFlash-15: the paper's tau of the tree over the chain's, over the
-    step ratio."""
+def complete_fit(fit: dict[int, dict[int, float]], current: dict[int, dict[int, float]]
+                 ) -> tuple[dict[int, dict[int, float]], list[tuple[int, int]]]:
+    """``fit`` with every (batch, width) cell of ``current`` that the runs did not measure
+    kept from ``current`` (the schedule interpolates within each batch's row, so a row
+    needs all its widths), and the list of the kept cells."""
+    table: dict[int, dict[int, float]] = {}
+    kept: list[tuple[int, int]] = []
+    for batch in sorted(set(fit) | set(current)):
+        row = dict(fit.get(batch, {}))
+        for width, value in current.get(batch, {}).items():
+            if width not in row:
+                row[width] = value
+                kept.append((batch, width))
+        table[batch] = dict(sorted(row.items()))
+    return table, kept
+
+
+def load_runs(path: str) -> list[dict]:
+    """The runs in a ``step_cost.json``: the file itself, or a file of named runs
+    (``{name: {"meta": ..., "rows": ...}}``, as the docs keep them)."""
+    data = json.loads(Path(path).read_text())
+    return [data] if "rows" in data else list(data.values())
+
+
+def print_fit(fit: dict[int, dict[int, float]], max_budget: int = 63) -> None:
+    """The fitted table as Python (cells the runs did not measure kept from the current
+    ``STEP_COST``), and per batch the budget the schedule built on it picks (drafter
+    depth 15, budgets up to ``max_budget``) and that pick's predicted throughput over
+    DFlash-15: the paper's tau of the tree over the chain's, over the step ratio."""
     from vllm_ddtree.adaptive import schedule
 
+    table, kept = complete_fit(fit, schedule.STEP_COST)
+    if kept:
+        print("kept from the current table (batch, width):", kept)
     print("STEP_COST = {")
     for batch, row in table.items():
         print(f"    {batch}: {{" + ", ".join(f"{w}: {v:.3f}" for w, v in row.items()) + "},")
@@ -201,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="no run: fit the schedule's step-cost table to these runs' rows")
     args = ap.parse_args(argv)
     if args.fit:
-        rows = [r for f in args.fit for r in json.loads(Path(f).read_text())["rows"]]
+        rows = [r for f in args.fit for run in load_runs(f) for r in run["rows"]]
         print_fit(fit_step_cost(rows))
         return 0
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
