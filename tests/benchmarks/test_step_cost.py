@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
-from benchmarks.step_cost import fit_step_cost, kernel_diffs, step_rows
+from benchmarks.step_cost import complete_fit, fit_step_cost, kernel_diffs, load_runs, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,6 +91,33 @@ def test_fit_step_cost_means_temperatures_per_batch_and_width():
             row("ddtree-63@base", 0, 1, 1.5), row("ddtree-auto", 0, 1, 1.5),
             row("ddtree-31", 0, 8, 1.3), row("ddtree-31", 1, 8, 2.0, equal=False)]
     assert fit_step_cost(rows) == {1: {16: 1.01, 64: 1.09}, 8: {32: 1.3}}
+
+
+def test_complete_fit_keeps_unmeasured_cells_and_names_them():
+    fit = {1: {16: 1.01, 64: 1.09}, 8: {16: 1.02}}
+    current = {1: {16: 1.5, 32: 1.5, 64: 1.5}, 8: {16: 1.5, 32: 2.0}, 64: {16: 1.1}}
+    table, kept = complete_fit(fit, current)
+    assert table == {1: {16: 1.01, 32: 1.5, 64: 1.09}, 8: {16: 1.02, 32: 2.0},
+                     64: {16: 1.1}}
+    assert kept == [(1, 32), (8, 32), (64, 16)]
+
+
+def test_load_runs_reads_one_run_or_named_runs(tmp_path):
+    run = {"meta": {}, "rows": [{"method": "dflash"}]}
+    (tmp_path / "one.json").write_text(json.dumps(run))
+    (tmp_path / "named.json").write_text(json.dumps({"a": run, "b": run}))
+    assert load_runs(str(tmp_path / "one.json")) == [run]
+    assert load_runs(str(tmp_path / "named.json")) == [run, run]
+
+
+def test_committed_runs_refit_to_the_schedule_table():
+    """The schedule's table is what ``--fit`` gives for the committed refit runs."""
+    from vllm_ddtree.adaptive import schedule
+
+    rows = [r for run in load_runs(str(ROOT / "docs/benchmarks/step-cost-h200-refit.json"))
+            for r in run["rows"]]
+    table, _ = complete_fit(fit_step_cost(rows), schedule.STEP_COST)
+    assert table == schedule.STEP_COST
 
 
 @pytest.mark.vllm
