@@ -122,11 +122,12 @@ def complete_fit(fit: dict[int, dict[int, float]], current: dict[int, dict[int, 
     return table, kept
 
 
-def load_runs(path: str) -> list[dict]:
-    """The runs in a ``step_cost.json``: the file itself, or a file of named runs
+def load_rows(path: str) -> list[dict]:
+    """Every run's rows in a ``step_cost.json``: the file itself, or a file of named runs
     (``{name: {"meta": ..., "rows": ...}}``, as the docs keep them)."""
     data = json.loads(Path(path).read_text())
-    return [data] if "rows" in data else list(data.values())
+    runs = [data] if "rows" in data else list(data.values())
+    return [r for run in runs for r in run["rows"]]
 
 
 def print_fit(fit: dict[int, dict[int, float]], max_budget: int = 63) -> None:
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="no run: fit the schedule's step-cost table to these runs' rows")
     args = ap.parse_args(argv)
     if args.fit:
-        rows = [r for f in args.fit for run in load_runs(f) for r in run["rows"]]
+        rows = [r for f in args.fit for r in load_rows(f)]
         print_fit(fit_step_cost(rows))
         return 0
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")

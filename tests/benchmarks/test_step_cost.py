@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
-from benchmarks.step_cost import complete_fit, fit_step_cost, kernel_diffs, load_runs, step_rows
+from benchmarks.step_cost import complete_fit, fit_step_cost, kernel_diffs, load_rows, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,20 +102,20 @@ def test_complete_fit_keeps_unmeasured_cells_and_names_them():
     assert kept == [(1, 32), (8, 32), (64, 16)]
 
 
-def test_load_runs_reads_one_run_or_named_runs(tmp_path):
-    run = {"meta": {}, "rows": [{"method": "dflash"}]}
+def test_load_rows_reads_one_run_or_named_runs(tmp_path):
+    run = {"meta": {}, "rows": [{"method": "dflash"}, {"method": "ddtree-15"}]}
+    other = {"meta": {}, "rows": [{"method": "ddtree-63"}]}
     (tmp_path / "one.json").write_text(json.dumps(run))
-    (tmp_path / "named.json").write_text(json.dumps({"a": run, "b": run}))
-    assert load_runs(str(tmp_path / "one.json")) == [run]
-    assert load_runs(str(tmp_path / "named.json")) == [run, run]
+    (tmp_path / "named.json").write_text(json.dumps({"a": run, "b": other}))
+    assert load_rows(str(tmp_path / "one.json")) == run["rows"]
+    assert load_rows(str(tmp_path / "named.json")) == run["rows"] + other["rows"]
 
 
 def test_committed_runs_refit_to_the_schedule_table():
     """The schedule's table is what ``--fit`` gives for the committed refit runs."""
     from vllm_ddtree.adaptive import schedule
 
-    rows = [r for run in load_runs(str(ROOT / "docs/benchmarks/step-cost-h200-refit.json"))
-            for r in run["rows"]]
+    rows = load_rows(str(ROOT / "docs/benchmarks/step-cost-h200-refit.json"))
     table, _ = complete_fit(fit_step_cost(rows), schedule.STEP_COST)
     assert table == schedule.STEP_COST
 
