@@ -121,6 +121,22 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
     """Both variants against a stable sort, with values or log-probabilities and the
     non-finite flags.  Pruned, V = 9000 leaves >= k chunks (the bound is used) for
     k <= 33 and fewer for k = 64 (no bound)."""
+    _check_topk_lse(dtype, k, prune, None)
+
+
+@needs_interp
+@pytest.mark.parametrize("k,prune", [(5, True), (16, False), (33, True), (64, True)])
+def test_chunked_topk_lse_reduction_paths(k, prune):
+    """The bound by ``k - 1`` max-reductions and the merge by ``k`` of them (no sort),
+    under other warps, give the same tokens and values as the stable sort.  (The
+    default settings sort; at k = 33 their merge takes both paths: rows of random
+    values sort their few live keys, the heavy-tie rows fill every slot and reduce.)"""
+    from vllm_ddtree.kernels.topk_lse import TopkTuning
+
+    _check_topk_lse(torch.bfloat16, k, prune, TopkTuning(4, 2, 8, 2, False, 0))
+
+
+def _check_topk_lse(dtype, k, prune, tuning):
     from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse
     from vllm_ddtree.tree.build import sanitized_logits
 
@@ -143,7 +159,7 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
             m = torch.nn.functional.pad(m, (0, -9000 % chunk), value=float("-inf"))
             maxima = m.view(-1, chunk).max(dim=-1).values
             assert (maxima < maxima.topk(k).values[-1]).any()
-    args = dict(chunk=None if prune else 1024, pruned=prune)
+    args = dict(chunk=None if prune else 1024, pruned=prune, tuning=tuning)
     vals, idx, lse = topk_lse(x, k, **args)
     ref = sanitized_logits(x.cpu())
     rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)

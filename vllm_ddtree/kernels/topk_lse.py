@@ -4,7 +4,8 @@ Each program takes one chunk of one row: it sanitizes the logits (NaN -> -inf, +
 the dtype's largest finite value) and extracts the chunk's top ``k`` as unique int64 keys
 (order-preserving float bits above the inverted token id), so ties resolve to the lower
 token id by construction.  One program per row then merges: the row's top ``k`` of the
-``chunks * k`` keys (``k`` max-reductions), unpacked to values and ids (or
+``chunks * k`` keys (one sort of the live ones when they are few, else ``k``
+max-reductions; :class:`TopkTuning`), unpacked to values and ids (or
 log-probabilities), the log-sum-exp from the chunks' maxima and sums, and the row's
 non-finite flag.  Reference: ``depth_candidates`` on CPU (a stable sort).  With the
 pruning bound and this merge in Triton (four launches, in place of ~20 around two
@@ -30,6 +31,8 @@ Two variants (``pruned``):
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -85,22 +88,30 @@ if HAS_TRITON:
         _chunk_max_sum(x, bad, M, S, NF, row, c, n_chunks)
 
     @triton.jit
-    def _kth_largest_chunk_max(M, row, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _kth_largest_chunk_max(M, row, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                               SORT: tl.constexpr):
         """The row's ``K``-th largest chunk maximum, duplicates counted (``torch.topk``'s
-        ``values[K - 1]``); -inf when the row has fewer than ``K`` chunks."""
+        ``values[K - 1]``); -inf when the row has fewer than ``K`` chunks.  ``SORT``
+        (needs ``K <= BLOCK_C``): one sort of the chunk keys, else ``K - 1``
+        max-reductions."""
         c = tl.arange(0, BLOCK_C)
         m = tl.load(M + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
         key = tl.where(c < n_chunks, pack_key(m, c.to(tl.int64)),  # unique per chunk
                        -9223372036854775807 - 1)
-        for _ in range(0, K - 1):
-            key = tl.where(key == tl.max(key, 0), -9223372036854775807 - 1, key)
-        kth = tl.max(key, 0)
+        if SORT:
+            key = tl.sort(key, descending=True)
+            kth = tl.max(tl.where(c == K - 1, key, -9223372036854775807 - 1), 0)
+        else:
+            for _ in range(0, K - 1):
+                key = tl.where(key == tl.max(key, 0), -9223372036854775807 - 1, key)
+            kth = tl.max(key, 0)
         return tl.where(kth == -9223372036854775807 - 1, float("-inf"), key_score(kth))
 
     @triton.jit
-    def _bound_kernel(M, T, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _bound_kernel(M, T, n_chunks, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                      SORT: tl.constexpr):
         row = tl.program_id(0)
-        tl.store(T + row, _kth_largest_chunk_max(M, row, n_chunks, K, BLOCK_C))
+        tl.store(T + row, _kth_largest_chunk_max(M, row, n_chunks, K, BLOCK_C, SORT))
 
     @triton.jit
     def _chunk_topk_kernel(X, A, KEYS, M, S, NF, T, V, stride, a_stride, a_group, n_chunks,
@@ -132,25 +143,52 @@ if HAS_TRITON:
         tl.store(out, res, mask=slots < K)
 
     @triton.jit
-    def _merge_kernel(KEYS, M, S, NF, VALS, IDS, LSE, BAD, n_keys, n_chunks,
-                      K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_C: tl.constexpr, LOGPROBS: tl.constexpr):
-        """One row: its top ``K`` of ``n_keys`` unique keys, unpacked; the log-sum-exp of
-        the chunk maxima and sums (``torch.logsumexp``'s formula); the non-finite flag."""
+    def _merge_kernel(KEYS, M, S, NF, VALS, IDS, LSE, BAD, SCRATCH, n_chunks,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr,
+                      LOGPROBS: tl.constexpr):
+        """One row: its top ``K`` of the chunks' keys, unpacked; the log-sum-exp of the
+        chunk maxima and sums (``torch.logsumexp``'s formula); the non-finite flag.
+
+        Each chunk's keys are sorted, its live ones first.  With ``SORT`` and at most
+        ``SMALL`` live keys in the row, they are packed into ``SCRATCH`` (each chunk at
+        the count of the live keys before it) and sorted once; otherwise ``K``
+        max-reductions over all the row's slots select them."""
         row = tl.program_id(0)
         slots = tl.arange(0, KP)
-        i = tl.arange(0, BLOCK_N)
-        key = tl.load(KEYS + row.to(tl.int64) * n_keys + i, mask=i < n_keys,
-                      other=-9223372036854775807 - 1)
-        top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-        for j in range(0, K):
-            best = tl.max(key, 0)
-            top = tl.where(slots == j, best, top)
-            key = tl.where(key == best, -9223372036854775807 - 1, key)
-        vals = key_score(top)
         c = tl.arange(0, BLOCK_C)
-        y = tl.load(M + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
-        y += tl.log(tl.load(S + row * n_chunks + c, mask=c < n_chunks, other=1.0))
+        c_ok = c < n_chunks
+        ok = c_ok[:, None] & (slots < K)[None, :]
+        key = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + c[:, None] * K + slots[None, :],
+                      mask=ok, other=-9223372036854775807 - 1)  # [BLOCK_C, KP]
+        top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        live = key != -9223372036854775807 - 1
+        per_chunk = tl.sum(live.to(tl.int32), 1)  # [BLOCK_C]
+        n_live = tl.sum(per_chunk, 0)
+        if n_live <= (SMALL if SORT else -1):
+            before = tl.cumsum(per_chunk, 0) - per_chunk
+            pos = before[:, None] + slots[None, :]
+            scratch = SCRATCH + row.to(tl.int64) * SMALL
+            tl.store(scratch + pos, key, mask=live)
+            tl.debug_barrier()
+            i_packed = tl.arange(0, SMALL)
+            packed = tl.load(scratch + i_packed, mask=i_packed < n_live,
+                             other=-9223372036854775807 - 1)
+            packed = tl.reshape(tl.sort(packed, descending=True), (SMALL // KP, KP))
+            first = (tl.arange(0, SMALL // KP) == 0)[:, None]
+            top = tl.max(tl.where(first, packed, -9223372036854775807 - 1), 0)
+        else:  # over the flat slots: one reduction a key (a 2-D tile's two are slower)
+            i_flat = tl.arange(0, BLOCK_N)
+            flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat,
+                           mask=i_flat < n_chunks * K,
+                           other=-9223372036854775807 - 1)
+            for j in range(0, K):
+                best = tl.max(flat, 0)
+                top = tl.where(slots == j, best, top)
+                flat = tl.where(flat == best, -9223372036854775807 - 1, flat)
+        vals = key_score(top)
+        y = tl.load(M + row * n_chunks + c, mask=c_ok, other=float("-inf"))
+        y += tl.log(tl.load(S + row * n_chunks + c, mask=c_ok, other=1.0))
         y_max = tl.max(y, 0)
         y_max = tl.where(tl.abs(y_max) == float("inf"), 0.0, y_max)
         lse = tl.log(tl.sum(tl.exp(y - y_max), 0)) + y_max
@@ -160,7 +198,7 @@ if HAS_TRITON:
         tl.store(VALS + row * K + slots, vals, mask=slots < K)
         tl.store(IDS + row * K + slots, key_tie(top), mask=slots < K)
         tl.store(LSE + row, lse)
-        bad = tl.load(NF + row * n_chunks + c, mask=c < n_chunks, other=0)
+        bad = tl.load(NF + row * n_chunks + c, mask=c_ok, other=0)
         tl.store(BAD + row, (tl.max(bad, 0) > 0).to(tl.int8))
 
 
@@ -172,6 +210,34 @@ def _prune_chunk(V: int, k: int) -> int:
     return c
 
 
+class TopkTuning(NamedTuple):
+    """Launch settings of :func:`topk_lse`'s kernels.  None changes a token or its rank;
+    the warps of a reduction may round the log-sum-exp (and so the log-probabilities)
+    differently."""
+
+    stats_warps: int  # chunk maxima and sums (pruned)
+    bound_warps: int  # the pruning bound (pruned)
+    topk_warps: int  # per-chunk top k
+    merge_warps: int  # per-row merge
+    bound_sort: bool  # the bound by one sort of the chunk maxima, not k - 1 reductions
+    merge_small: int  # merge by one sort when a row has at most this many live keys (a
+    # power of two; 0: never)
+
+
+def topk_tuning(k: int, rows: int) -> TopkTuning:
+    """:func:`topk_lse`'s default launch settings for ``k`` and ``rows`` rows, measured
+    on an H200 at a 151936-token vocabulary (``benchmarks.tree_build_tuning``; docs:
+    step-cost-h200.md).  The bound by one sort on one warp; 4-warp chunk programs (the
+    ``rows x chunks`` grid fills the GPU); the merge by one sort of up to ``max(128,
+    4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of normal logits
+    has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row leaves SMs idle
+    (up to 132 rows)."""
+    kp = 1 << max(0, k - 1).bit_length()
+    return TopkTuning(stats_warps=8, bound_warps=1, topk_warps=4,
+                      merge_warps=8 if rows <= 132 else 4, bound_sort=True,
+                      merge_small=max(128, 4 * kp))
+
+
 def topk_lse(
     x: torch.Tensor,  # [rows, V] logits, last dim contiguous
     k: int,
@@ -180,6 +246,7 @@ def topk_lse(
     return_nonfinite: bool = False,
     add: torch.Tensor | None = None,  # [rows // group, V], last dim contiguous
     logprobs: bool = False,
+    tuning: TopkTuning | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per row, the ``k`` best sanitized values and their token ids, and the log-sum-exp.
 
@@ -191,8 +258,8 @@ def topk_lse(
     docstring); ``k <= topk_lse_max_k(pruned)``.  ``chunk``: vocabulary entries per
     program (default: the variant's).  ``add``: a term shared by groups of consecutive
     rows, row ``i`` taking ``x[i] + add[i // group]`` (float32 sum, then sanitized), as
-    if that sum were ``x``, without writing it.  Four launches pruned, two unpruned, no
-    host sync.
+    if that sum were ``x``, without writing it.  ``tuning`` overrides
+    :func:`topk_tuning`.  Four launches pruned, two unpruned, no host sync.
     """
     rows, V = x.shape
     assert x.stride(1) == 1 and 0 < k <= min(topk_lse_max_k(pruned), V)
@@ -201,6 +268,8 @@ def topk_lse(
         assert rows % max(add.shape[0], 1) == 0
     chunk = chunk or (_prune_chunk(V, k) if pruned else 4096)
     n_chunks = triton.cdiv(V, chunk)
+    tuning = tuning or topk_tuning(k, rows)
+    assert tuning.merge_small & (tuning.merge_small - 1) == 0, "merge_small: a power of two"
     dev = x.device
     keys = torch.empty((rows, n_chunks * k), dtype=torch.int64, device=dev)
     chunk_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
@@ -218,20 +287,26 @@ def topk_lse(
                             if add is not None else (x, 0, 1))
     grid = (rows, n_chunks)
     block_c = triton.next_power_of_2(n_chunks)
+    kp = triton.next_power_of_2(k)
     bound = lse  # [rows] the pruning bound, overwritten by the merge's lse; unread unpruned
     if pruned:
         _chunk_max_sum_kernel[grid](x, a, chunk_max, chunk_sum, chunk_bad, V, x.stride(0),
                                     a_stride, a_group, n_chunks, big, CHUNK=chunk,
-                                    HAS_ADD=add is not None, num_warps=8)
+                                    HAS_ADD=add is not None, num_warps=tuning.stats_warps)
         _bound_kernel[(rows,)](chunk_max, bound, n_chunks, K=k, BLOCK_C=block_c,
-                               num_warps=4)
+                               SORT=tuning.bound_sort and k <= block_c,
+                               num_warps=tuning.bound_warps)
     _chunk_topk_kernel[grid](
         x, a, keys, chunk_max, chunk_sum, chunk_bad, bound, V, x.stride(0), a_stride,
-        a_group, n_chunks, big, K=k, KP=triton.next_power_of_2(k), CHUNK=chunk,
-        PRUNED=pruned, HAS_ADD=add is not None, num_warps=8)
+        a_group, n_chunks, big, K=k, KP=kp, CHUNK=chunk,
+        PRUNED=pruned, HAS_ADD=add is not None, num_warps=tuning.topk_warps)
+    small = max(tuning.merge_small, kp)
+    scratch = (torch.empty((rows, small), dtype=torch.int64, device=dev)
+               if tuning.merge_small else keys)
     _merge_kernel[(rows,)](
         keys, chunk_max, chunk_sum, chunk_bad, vals, ids, lse, nonfinite.view(torch.int8),
-        keys.shape[1], n_chunks, K=k, KP=triton.next_power_of_2(k),
-        BLOCK_N=triton.next_power_of_2(keys.shape[1]), BLOCK_C=block_c, LOGPROBS=logprobs,
-        num_warps=4)
+        scratch, n_chunks, K=k, KP=kp, BLOCK_C=block_c,
+        BLOCK_N=triton.next_power_of_2(keys.shape[1]), SMALL=small,
+        SORT=tuning.merge_small > 0, LOGPROBS=logprobs,
+        num_warps=tuning.merge_warps)
     return (vals, ids, lse, nonfinite) if return_nonfinite else (vals, ids, lse)

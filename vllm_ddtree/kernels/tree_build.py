@@ -196,16 +196,26 @@ def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
     return p2 <= MAX_SORT and _pow2(width) * _pow2(max_depth) <= MAX_SORT
 
 
+def build_warps(sort_width: int, global_width: int) -> int:
+    """Warps of one tree-build program whose per-depth sorts are ``sort_width`` keys
+    and whose global selection sorts ``global_width``: 8 from 512-key sorts (budget 63:
+    0.065 -> 0.049 ms a request on an H200, ``benchmarks.tree_build_tuning``), else 4
+    (1 or 2 are no faster at budget 15, slower at 31)."""
+    return 8 if sort_width >= 512 or global_width >= 2048 else 4
+
+
 def tree_build_triton(
     logprobs: torch.Tensor,  # [R, D, K] float32 per-depth candidate log-probabilities
     token_ids: torch.Tensor,  # [R, D, K] int64 their token ids
     width: int,
     budgets: torch.Tensor,  # [R] int64 per-request node budgets (<= width)
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The trees of ``build_tree`` from its per-depth candidates (``depth_candidates``).
 
     Returns ``(token_ids, parents, depths, scores)``, each ``[R, width]``, and
-    ``num_nodes [R]``, with ``DraftTree``'s conventions.
+    ``num_nodes [R]``, with ``DraftTree``'s conventions.  ``num_warps`` overrides
+    :func:`build_warps`.
     """
     R, D, K = logprobs.shape
     dev = logprobs.device
@@ -224,6 +234,6 @@ def tree_build_triton(
         logprobs.contiguous(), token_ids.contiguous(), parent_pos, ranks, num_pairs, keys,
         node_map, num_nodes, out_tok, out_par, out_dep, out_score,
         D=D, K=K, W=width, P2=p2, S=s, PB=pb, DB=db,
-        num_warps=8 if db >= 2048 else 4,
+        num_warps=num_warps or build_warps(p2, db),
     )
     return out_tok, out_par, out_dep, out_score, num_nodes
