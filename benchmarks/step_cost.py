@@ -130,6 +130,16 @@ def load_rows(path: str) -> list[dict]:
     return [r for run in runs for r in run["rows"]]
 
 
+def fit_files(paths: list[str]) -> dict[int, dict[int, float]]:
+    """:func:`fit_step_cost` of each file's runs, a later file's cells replacing an
+    earlier one's (the later run measured newer code)."""
+    table: dict[int, dict[int, float]] = {}
+    for path in paths:
+        for batch, row in fit_step_cost(load_rows(path)).items():
+            table.setdefault(batch, {}).update(row)
+    return {batch: dict(sorted(row.items())) for batch, row in sorted(table.items())}
+
+
 def print_fit(fit: dict[int, dict[int, float]], max_budget: int = 63) -> None:
     """The fitted table as Python (cells the runs did not measure kept from the current
     ``STEP_COST``), and per batch the budget the schedule built on it picks (drafter
@@ -227,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile each cell once and compare kernels with DFlash's")
     ap.add_argument("--cpu", action="store_true", help="smoke settings: tiny shape on CPU")
     ap.add_argument("--fit", nargs="+", default=None, metavar="STEP_COST_JSON",
-                    help="no run: fit the schedule's step-cost table to these runs' rows")
+                    help="no run: fit the schedule's step-cost table to these runs' rows "
+                         "(a later file's cells replace an earlier one's)")
     args = ap.parse_args(argv)
     if args.fit:
-        rows = [r for f in args.fit for r in load_rows(f)]
-        print_fit(fit_step_cost(rows))
+        print_fit(fit_files(args.fit))
         return 0
     shape = args.shape or ("tiny" if args.cpu else "qwen3-8b")
     out = Path(args.out)

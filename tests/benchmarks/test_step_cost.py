@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from benchmarks.shaped_models import NUM_WORDS, TOKEN, write_pair
-from benchmarks.step_cost import complete_fit, fit_step_cost, kernel_diffs, load_rows, step_rows
+from benchmarks.step_cost import (
+    complete_fit,
+    fit_files,
+    fit_step_cost,
+    kernel_diffs,
+    load_rows,
+    step_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,12 +119,29 @@ def test_load_rows_reads_one_run_or_named_runs(tmp_path):
 
 
 def test_committed_runs_refit_to_the_schedule_table():
-    """The schedule's table is what ``--fit`` gives for the committed refit runs."""
+    """The schedule's table is what ``--fit`` gives for the committed runs, in the order
+    the docs give them."""
     from vllm_ddtree.adaptive import schedule
 
-    rows = load_rows(str(ROOT / "docs/benchmarks/step-cost-h200-refit.json"))
-    table, _ = complete_fit(fit_step_cost(rows), schedule.STEP_COST)
+    files = ["step-cost-h200-refit.json", "step-cost-h200-build-tuning.json"]
+    fit = fit_files([str(ROOT / "docs/benchmarks" / f) for f in files])
+    table, _ = complete_fit(fit, schedule.STEP_COST)
     assert table == schedule.STEP_COST
+
+
+def test_a_later_files_cells_replace_an_earlier_ones(tmp_path):
+    """Cells measured again in a later file take its value; the others stay."""
+    def run(ratio63: float, ratio15: float | None) -> dict:
+        ratios = {"ddtree-63": ratio63, "ddtree-15": ratio15}
+        return dict(meta={}, rows=[
+            dict(method=m, temperature=0, batch=1, vs_dflash=r, equal_acceptance=True)
+            for m, r in ratios.items() if r is not None])
+
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(run(1.09, 1.01)))
+    new.write_text(json.dumps(run(1.07, None)))
+    assert fit_files([str(old), str(new)]) == {1: {16: 1.01, 64: 1.07}}
+    assert fit_files([str(new), str(old)]) == {1: {16: 1.01, 64: 1.09}}
 
 
 @pytest.mark.vllm
