@@ -81,6 +81,26 @@ def median_ms(fn: Callable[[], object], iters: int = 30) -> float:
     return statistics.median(ts)
 
 
+def graph_us(calls: Callable[[], object], n_calls: int, replays: int) -> float:
+    """µs per call of ``calls`` (which makes ``n_calls`` calls: launch gaps count as in a
+    served step's graph), run once, captured as one CUDA graph and replayed ``replays``
+    times between two CUDA events."""
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * n_calls)
+
+
 def _graph_ms(step: Callable[[], object]) -> float:
     """Median ms of ``step`` replayed as one CUDA graph."""
     s = torch.cuda.Stream()

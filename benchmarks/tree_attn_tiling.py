@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.core_gpu import graph_us
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton, tree_attn_tiling
 
 HQ, HKV, HD, BS, PREFIX, LAYERS, REPLAYS = 32, 8, 128, 16, 512, 36, 50
@@ -64,20 +65,8 @@ def time_us(args: dict, budget: int, **tiling) -> tuple[float, float]:
     launch(args, budget, got, **tiling)
     err = (got.float() - ref.float()).abs().max().item()
     outs = [args["prefix_out"].clone() for _ in range(LAYERS)]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for o in outs:
-            launch(args, budget, o, **tiling)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * LAYERS), err
+    us = graph_us(lambda: [launch(args, budget, o, **tiling) for o in outs], LAYERS, REPLAYS)
+    return us, err
 
 
 def tilings(budget: int):

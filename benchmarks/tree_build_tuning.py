@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.core_gpu import graph_us
 from vllm_ddtree.kernels.topk_lse import TopkTuning, _prune_chunk, topk_lse, topk_tuning
 from vllm_ddtree.kernels.tree_build import build_warps, tree_build_triton
 
@@ -35,21 +36,7 @@ CHOICES = dict(stats_warps=(4, 8, 16), bound_warps=(1, 2, 4, 8), topk_warps=(4, 
 
 def timed_us(fn) -> float:
     """µs per call of ``fn`` in a replayed CUDA graph of CALLS calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * CALLS)
+    return graph_us(lambda: [fn() for _ in range(CALLS)], CALLS, REPLAYS)
 
 
 def live_keys(x: torch.Tensor, k: int) -> float:
