@@ -232,7 +232,7 @@ def topk_tuning(k: int, rows: int) -> TopkTuning:
     4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of normal logits
     has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row leaves SMs idle
     (up to 132 rows)."""
-    kp = 1 << max(0, k - 1).bit_length()
+    kp = triton.next_power_of_2(k)
     return TopkTuning(stats_warps=8, bound_warps=1, topk_warps=4,
                       merge_warps=8 if rows <= 132 else 4, bound_sort=True,
                       merge_small=max(128, 4 * kp))
