@@ -123,7 +123,8 @@ def test_committed_runs_refit_to_the_schedule_table():
     the docs give them."""
     from vllm_ddtree.adaptive import schedule
 
-    files = ["step-cost-h200-refit.json", "step-cost-h200-build-tuning.json"]
+    files = ["step-cost-h200-refit.json", "step-cost-h200-build-tuning.json",
+             "step-cost-h200-retuned.json"]
     fit = fit_files([str(ROOT / "docs/benchmarks" / f) for f in files])
     table, _ = complete_fit(fit, schedule.STEP_COST)
     assert table == schedule.STEP_COST

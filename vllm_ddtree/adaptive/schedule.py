@@ -34,15 +34,15 @@ import math
 # batch -> {verify rows per request: DDTree step time / DFlash-15 step time}, measured
 # at equal acceptance (docs/benchmarks/step-cost-h200.md, mean of T = 0 and T = 1;
 # ``python3 -m benchmarks.step_cost --fit docs/benchmarks/step-cost-h200-refit.json
-# docs/benchmarks/step-cost-h200-build-tuning.json``, widths 32 and 64 at batches 32 and
-# 64 from the earlier run in that document)
+# docs/benchmarks/step-cost-h200-build-tuning.json docs/benchmarks/step-cost-h200-retuned.json``,
+# widths 32 and 64 at batches 32 and 64 from the earliest run in that document)
 STEP_COST: dict[int, dict[int, float]] = {
-    1: {16: 1.009, 32: 1.043, 64: 1.070},
-    2: {16: 1.003, 32: 1.037, 64: 1.139},
-    4: {16: 1.009, 32: 1.091, 64: 1.342},
-    8: {16: 1.027, 32: 1.230, 64: 1.913},
-    32: {16: 1.009, 32: 1.872, 64: 3.399},
-    64: {16: 1.015, 32: 1.888, 64: 3.652},
+    1: {16: 1.001, 32: 1.047, 64: 1.071},
+    2: {16: 1.008, 32: 1.030, 64: 1.128},
+    4: {16: 1.011, 32: 1.091, 64: 1.342},
+    8: {16: 1.006, 32: 1.230, 64: 1.913},
+    32: {16: 1.013, 32: 1.872, 64: 3.399},
+    64: {16: 1.018, 32: 1.888, 64: 3.652},
 }
 # batch -> {verify tokens per request n: target forward time relative to n = 1} (one
 # H200, Qwen3-8B shape, vLLM 0.26): how a step grows past the widest measured tree
