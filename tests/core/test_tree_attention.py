@@ -365,3 +365,14 @@ def test_tiling_choice(max_rows, group, hd, include_prefix, num_reqs):
             assert block_m == max_rows
     with pytest.raises(ValueError, match="must divide the query group"):
         tree_attn_tiling(max_rows, group, hd, include_prefix, heads=group + 1)
+
+
+def test_next_pow2():
+    """The launch shapes' power-of-two rounding: the smallest power of two >= n (1 for
+    n <= 1), as Triton's own helper gives for n >= 1."""
+    from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, triton
+
+    got = [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 4096, 4097)]
+    assert got == [1, 1, 2, 4, 4, 8, 16, 16, 32, 64, 64, 128, 4096, 8192]
+    if HAS_TRITON:
+        assert all(next_pow2(n) == triton.next_power_of_2(n) for n in range(1, 5000))

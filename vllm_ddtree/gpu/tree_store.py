@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 from vllm_ddtree.tree import DraftTree, drop_nonfinite, tree_layout
 
 
@@ -189,8 +189,8 @@ def store_trees(
     W = B + 1
     NW = (W + 31) // 32
     bad_u8 = bad.view(torch.uint8) if bad.dtype == torch.bool else bad  # a view, no copy
-    block_w = max(16, triton.next_power_of_2(W))
-    block_nw = triton.next_power_of_2(NW)
+    block_w = max(16, next_pow2(W))
+    block_nw = next_pow2(NW)
     _store_trees_kernel[(R,)](
         token_ids, parents, depths, bad_u8, top1,
         out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain,
@@ -199,6 +199,6 @@ def store_trees(
         out_draft_tokens.stride(0), out_walk_tokens.stride(0), out_parents.stride(0),
         out_depths.stride(0), out_bits.stride(0), out_bits.stride(1), out_chain.stride(0),
         B=B, D=D, NW=NW,
-        BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_W=block_w, BLOCK_NW=block_nw,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_B=max(16, next_pow2(B)), BLOCK_W=block_w, BLOCK_NW=block_nw,
+        BLOCK_D=max(16, next_pow2(D)),
         num_warps=4 if block_w * block_nw <= 2048 else 8)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 from vllm_ddtree.tree import compaction_plan
 
 
@@ -177,8 +177,8 @@ def fill_tree_rows(
         depth_by_state, out_bits, out_positions, out_prefix_lens, out_query_end, num_reqs,
         num_reqs_padded, num_tokens_padded, bits_by_state.stride(0),
         bits_by_state.stride(1), depth_by_state.stride(0), out_bits.stride(0),
-        MAX_ROWS=max_rows, NUM_WORDS=num_words, BLOCK_R=triton.next_power_of_2(max_rows),
-        BLOCK_W=triton.next_power_of_2(num_words), BLOCK_P=256, num_warps=4)
+        MAX_ROWS=max_rows, NUM_WORDS=num_words, BLOCK_R=next_pow2(max_rows),
+        BLOCK_W=next_pow2(num_words), BLOCK_P=256, num_warps=4)
 
 
 # --------------------------------------------------------------------------- commit
@@ -227,7 +227,7 @@ def commit_states(
         assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
         args += [src, dst]
         lens.append(src.stride(0))  # elements per row (contiguous)
-    block = min(1024, triton.next_power_of_2(max(lens)))
+    block = min(1024, next_pow2(max(lens)))
     _commit_states_kernel[(num_reqs,)](idx_mapping, *args, LEN0=lens[0], LEN1=lens[1],
                                        LEN2=lens[2], LEN3=lens[3], BLOCK=block, num_warps=4)
 
@@ -338,7 +338,7 @@ class KVCompactor:
             first, self.offsets, slot_mapping, logits_indices, cu_num_logits, path,
             num_accepted, path.stride(0), first.stride(0), first.stride(1), first.stride(2),
             HEAD2=width, ROW=row, BLOCK_SIZE=first.shape[1],
-            BLOCK_E=min(4096, triton.next_power_of_2(row)), num_warps=4)
+            BLOCK_E=min(4096, next_pow2(row)), num_warps=4)
 
 
 # --------------------------------------------------------------------------- row permutation
@@ -476,6 +476,6 @@ def walk_verify(
             num_accepted, src_logit_row, walk_tokens.stride(0), parents.stride(0),
             sampled.stride(0), path.stride(0),
             BUDGET=budget, MAX_DEPTH=max_depth, MAX_ROWS=max_rows,
-            BLOCK_B=triton.next_power_of_2(budget), BLOCK_W=triton.next_power_of_2(max_rows),
+            BLOCK_B=next_pow2(budget), BLOCK_W=next_pow2(max_rows),
             num_warps=4)
     return sampled, path, num_accepted, src_logit_row

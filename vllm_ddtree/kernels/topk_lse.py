@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 
 if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, key_tie, pack_key
@@ -232,7 +232,7 @@ def topk_tuning(k: int, rows: int) -> TopkTuning:
     4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of normal logits
     has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row leaves SMs idle
     (up to 132 rows)."""
-    kp = triton.next_power_of_2(k)
+    kp = next_pow2(k)
     return TopkTuning(stats_warps=8, bound_warps=1, topk_warps=4,
                       merge_warps=8 if rows <= 132 else 4, bound_sort=True,
                       merge_small=max(128, 4 * kp))
@@ -286,8 +286,8 @@ def topk_lse(
     a, a_stride, a_group = ((add, add.stride(0), rows // max(add.shape[0], 1))
                             if add is not None else (x, 0, 1))
     grid = (rows, n_chunks)
-    block_c = triton.next_power_of_2(n_chunks)
-    kp = triton.next_power_of_2(k)
+    block_c = next_pow2(n_chunks)
+    kp = next_pow2(k)
     bound = lse  # [rows] the pruning bound, overwritten by the merge's lse; unread unpruned
     if pruned:
         _chunk_max_sum_kernel[grid](x, a, chunk_max, chunk_sum, chunk_bad, V, x.stride(0),
@@ -306,7 +306,7 @@ def topk_lse(
     _merge_kernel[(rows,)](
         keys, chunk_max, chunk_sum, chunk_bad, vals, ids, lse, nonfinite.view(torch.int8),
         scratch, n_chunks, K=k, KP=kp, BLOCK_C=block_c,
-        BLOCK_N=triton.next_power_of_2(keys.shape[1]), SMALL=small,
+        BLOCK_N=next_pow2(keys.shape[1]), SMALL=small,
         SORT=tuning.merge_small > 0, LOGPROBS=logprobs,
         num_warps=tuning.merge_warps)
     return (vals, ids, lse, nonfinite) if return_nonfinite else (vals, ids, lse)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 
 # The Triton interpreter computes bf16 dot products wrongly (numpy has no bf16), so under
 # TRITON_INTERPRET=1 bf16 tiles are upcast to float32 first.
@@ -222,10 +222,6 @@ if HAS_TRITON:
             tl.store(LSE + tok * s_lt + head * s_lh, lse, mask=m_ok)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 class TreeAttnTiling(NamedTuple):
     """One :func:`tree_attention_triton` launch's tiling."""
 
@@ -273,14 +269,14 @@ def tree_attn_tiling(
         # faster at budget 63 from batch 8 up, measured); narrower trees shrink it
         rows = 32 if not include_prefix and max_rows > 32 else 16
         block_m = max(1, min(max_rows, rows, max_tile // heads))
-    tile_m = max(16, _next_pow2(block_m * heads))
+    tile_m = max(16, next_pow2(block_m * heads))
     if block_n is None:
         if include_prefix:
             block_n = 32  # the prefix is long: FlashAttention-like tiles
         else:
             # only the request's own rows are keys: one tile of them when they fit
             # (K + V of a tile stay <= 32 KiB a pipeline stage)
-            block_n = min(64, 8192 // head_dim, max(16, _next_pow2(max_rows)))
+            block_n = min(64, 8192 // head_dim, max(16, next_pow2(max_rows)))
     if num_warps is None:
         # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
         # 160..210 registers a thread), and over tree keys alone (one key tile) up to

@@ -22,16 +22,12 @@ from vllm_ddtree.kernels.build_tables import (
     pair_layout,
     pair_tensors,
 )
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 
 if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, pack_key
 
 MAX_SORT = 4096  # largest in-register sort per program
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if HAS_TRITON:
@@ -137,7 +133,7 @@ if HAS_TRITON:
 def select_children_supported(max_depth: int, k: int, width: int) -> bool:
     """Whether Triton is there and every depth's pair sort fits one program."""
     return (HAS_TRITON and width > 0
-            and _pow2(max(1, max(pair_layout(max_depth, k, width)[2]))) <= MAX_SORT)
+            and next_pow2(max(1, max(pair_layout(max_depth, k, width)[2]))) <= MAX_SORT)
 
 
 def select_children_triton(
@@ -168,7 +164,7 @@ def select_children_triton(
             prev_scores, logprobs.contiguous(), token_ids.contiguous(),
             draft_to_target if has_map else token_ids, pair_pos, pair_rank,
             scores, pos, tokens, parents, num_pairs, n, prev_scores.stride(0),
-            K=K, WN=wn, P2=_pow2(max(2, num_pairs)), HAS_MAP=has_map,
+            K=K, WN=wn, P2=next_pow2(max(2, num_pairs)), HAS_MAP=has_map,
             num_warps=4 if num_pairs <= 1024 else 8)
     return scores, pos, tokens, parents
 
@@ -184,7 +180,7 @@ def _pair_tables(
     sizes = [min(width, k)] + [min(width, n) for n in num_pairs[1:]]
     # cached: nothing is copied to the device while a CUDA graph is captured
     num_pairs_t = cached_int64_tensor(tuple(num_pairs), str(device))
-    return parent_pos, ranks, num_pairs_t, _pow2(max(1, max(num_pairs))), sum(sizes)
+    return parent_pos, ranks, num_pairs_t, next_pow2(max(1, max(num_pairs))), sum(sizes)
 
 
 def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
@@ -192,8 +188,8 @@ def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
     candidates per depth and ``width`` nodes fit one program."""
     if not HAS_TRITON or width == 0:
         return False
-    p2 = _pow2(len(pair_layout(max_depth, k, width)[0]))
-    return p2 <= MAX_SORT and _pow2(width) * _pow2(max_depth) <= MAX_SORT
+    p2 = next_pow2(len(pair_layout(max_depth, k, width)[0]))
+    return p2 <= MAX_SORT and next_pow2(width) * next_pow2(max_depth) <= MAX_SORT
 
 
 def build_warps(sort_width: int, global_width: int) -> int:
@@ -221,9 +217,9 @@ def tree_build_triton(
     dev = logprobs.device
     parent_pos, ranks, num_pairs, p2, total = _pair_tables(D, K, width, dev)
     num_nodes = budgets.clamp(max=min(width, total))
-    pb = _pow2(width)
+    pb = next_pow2(width)
     s = max(p2, pb)
-    db = _pow2(D) * pb
+    db = next_pow2(D) * pb
     keys = torch.empty((R, D, s), dtype=torch.int64, device=dev)
     node_map = torch.empty((R, D, pb), dtype=torch.int64, device=dev)
     out_tok = torch.empty((R, width), dtype=torch.int64, device=dev)
