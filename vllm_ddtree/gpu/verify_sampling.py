@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_ddtree.gpu.verify_rows import use_triton
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 
 NO_CHILD = -3  # a row's choice when its uniform fell past every child's probability
 
@@ -217,8 +217,8 @@ def choose_children(
         logits, logits.stride(0), m, s, a, states, local, positions, temperature, seeds,
         walk_tokens, parents, uniforms if uniforms is not None else m, out,
         walk_tokens.stride(0), parents.stride(0), V, NUM_CHUNKS=chunks,
-        BLOCK_C=triton.next_power_of_2(chunks), BUDGET=budget,
-        BLOCK_B=triton.next_power_of_2(budget), HAS_U=uniforms is not None, num_warps=4)
+        BLOCK_C=next_pow2(chunks), BUDGET=budget, BLOCK_B=next_pow2(budget),
+        HAS_U=uniforms is not None, num_warps=4)
     return out
 
 
@@ -287,7 +287,7 @@ def _draw_stop_tokens_triton(
     stop_pos = torch.empty(R, dtype=positions.dtype, device=dev)
     need = torch.empty(R, dtype=torch.int8, device=dev)
     budget = walk_tokens.shape[1]
-    block_b = triton.next_power_of_2(budget)
+    block_b = next_pow2(budget)
     block_v = max(16, min(1024, 16384 // block_b))  # the [BLOCK_V, BLOCK_B] match <= 16K
     _stop_rows_kernel[(R, triton.cdiv(V, block_v))](
         processed, processed.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
