@@ -246,10 +246,11 @@ def test_stop_draw_kernel_matches_torch(seed, V, budget):
 
     out = {}
     for impl in ("torch", "triton"):
-        out[impl] = sampled.clone()
-        draw_stop_tokens(logits.to(DEV), choices.to(DEV), out[impl], acc.path, acc.num_accepted,
-                         cu, states, positions, tb.walk_tokens, tb.parents, draw(impl),
-                         impl=impl)
+        out[impl] = sampled.clone().to(DEV)
+        draw_stop_tokens(*(t.to(DEV) for t in (logits, choices)), out[impl],
+                         *(t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states,
+                                               positions, tb.walk_tokens, tb.parents)),
+                         draw(impl), impl=impl)
     for a, b in zip(seen["torch"], seen["triton"]):
         assert torch.equal(a.contiguous(), b)
     assert torch.isneginf(seen["triton"][0]).any()  # children masked

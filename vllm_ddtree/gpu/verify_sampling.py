@@ -81,27 +81,22 @@ if HAS_TRITON:
     NO_CHILD_TL = tl.constexpr(NO_CHILD)
 
     @triton.jit
-    def _row_stats_kernel(X, s_x, M, S, A, V, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
-        # stage 1: one (row, chunk): max, sum of exp(x - max) and argmax of the chunk
+    def _row_stats_kernel(X, s_x, IDX, TEMP, M, S, A, V, CHUNK: tl.constexpr):
+        # stage 1: one (row, chunk) in one load: a greedy row's max and argmax (lowest id
+        # on ties), a sampled row's max and sum of exp(x - max)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        m_i = tl.full((), float("-inf"), tl.float32)
-        s_i = tl.zeros((), tl.float32)
-        a_i = tl.zeros((), tl.int64)
-        for v0 in range(c * (BLOCK * CHUNKS), (c + 1) * (BLOCK * CHUNKS), BLOCK):
-            offs = v0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * s_x + offs, mask=offs < V, other=float("-inf"))
-            x = x.to(tl.float32)
-            bm, ba = tl.max(x, axis=0, return_indices=True)
-            m_new = tl.maximum(m_i, bm)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_i = s_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-            a_i = tl.where(bm > m_i, v0 + ba, a_i)  # strictly greater: lowest id on ties
-            m_i = m_new
-        n = tl.num_programs(1)
-        tl.store(M + row * n + c, m_i)
-        tl.store(S + row * n + c, s_i)
-        tl.store(A + row * n + c, a_i)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + row * s_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        out = row * tl.num_programs(1) + c
+        if tl.load(TEMP + tl.load(IDX + row)) == 0.0:
+            m, a = tl.max(x, axis=0, return_indices=True)
+            tl.store(A + out, c * CHUNK + a.to(tl.int64))
+        else:
+            m = tl.max(x, axis=0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            tl.store(S + out, tl.sum(tl.exp(x - m_safe), axis=0))
+        tl.store(M + out, m)
 
     @triton.jit
     def _row_children(WTOK, PAR, state, s_wt, s_par, local, BUDGET: tl.constexpr,
@@ -154,20 +149,25 @@ if HAS_TRITON:
     def _stop_rows_kernel(X, s_x, PATH, s_path, NACC, CU, IDX, POS, CHOICES, WTOK, PAR,
                           ROWS, STOP_POS, NEED, s_wt, s_par, V, BUDGET: tl.constexpr,
                           BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-        # one (request, vocabulary block): the stop row's logits with its children at
-        # -inf; block 0 also writes the stop row's position and whether it takes a draw
+        # one (request, vocabulary block): the stop row's logits, then -inf over the
+        # children that fall in the block (stored after a barrier: the copy is done by
+        # then); block 0 also writes the stop row's position and whether it takes a draw
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         last = tl.load(NACC + r) - 1
         stop_local = tl.load(PATH + r * s_path + last)
         stop_row = tl.load(CU + r).to(tl.int64) + stop_local
         state = tl.load(IDX + r).to(tl.int64)
-        offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
-        x = tl.load(X + stop_row * s_x + offs, mask=offs < V).to(tl.float32)
+        start = c * BLOCK_V
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(X + stop_row * s_x + offs, mask=offs < V)
+        tl.store(ROWS + r * V + offs, x.to(tl.float32), mask=offs < V)
         _, tok, child = _row_children(WTOK, PAR, state, s_wt, s_par, stop_local, BUDGET,
                                       BLOCK_B)
-        hit = tl.sum(((offs[:, None] == tok[None, :]) & child[None, :]).to(tl.int32), 1)
-        tl.store(ROWS + r * V + offs, tl.where(hit > 0, float("-inf"), x), mask=offs < V)
+        here = child & (tok >= start) & (tok < start + BLOCK_V) & (tok < V)
+        tl.debug_barrier()
+        tl.store(ROWS + r * V + tok, tl.full((BLOCK_B,), float("-inf"), tl.float32),
+                 mask=here)
         if c == 0:
             tl.store(STOP_POS + r, tl.load(POS + stop_row))
             tl.store(NEED + r, (tl.load(CHOICES + stop_row) == NO_CHILD_TL).to(tl.int8))
@@ -205,13 +205,12 @@ def choose_children(
     if N == 0:
         return out
     assert logits.stride(1) == 1
-    block = 1024
     chunks = triton.cdiv(V, _CHUNK)
     m = torch.empty((N, chunks), dtype=torch.float32, device=logits.device)
-    s = torch.empty_like(m)
-    a = torch.empty((N, chunks), dtype=torch.int64, device=logits.device)
-    _row_stats_kernel[(N, chunks)](logits, logits.stride(0), m, s, a, V,
-                                   CHUNKS=_CHUNK // block, BLOCK=block, num_warps=4)
+    s = torch.empty_like(m)  # sampled rows only
+    a = torch.empty((N, chunks), dtype=torch.int64, device=logits.device)  # greedy rows only
+    _row_stats_kernel[(N, chunks)](logits, logits.stride(0), states, temperature, m, s, a,
+                                   V, CHUNK=_CHUNK, num_warps=8)
     budget = walk_tokens.shape[1]
     _choose_kernel[(N,)](
         logits, logits.stride(0), m, s, a, states, local, positions, temperature, seeds,
@@ -287,12 +286,11 @@ def _draw_stop_tokens_triton(
     stop_pos = torch.empty(R, dtype=positions.dtype, device=dev)
     need = torch.empty(R, dtype=torch.int8, device=dev)
     budget = walk_tokens.shape[1]
-    block_b = next_pow2(budget)
-    block_v = max(16, min(1024, 16384 // block_b))  # the [BLOCK_V, BLOCK_B] match <= 16K
+    block_v = 1024
     _stop_rows_kernel[(R, triton.cdiv(V, block_v))](
         processed, processed.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
         idx_mapping, positions, choices, walk_tokens, parents, rows, stop_pos, need,
-        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget, BLOCK_B=block_b,
-        BLOCK_V=block_v, num_warps=4)
+        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget,
+        BLOCK_B=next_pow2(budget), BLOCK_V=block_v, num_warps=4)
     drawn = draw(rows, idx_mapping, stop_pos)
     _emit_stop_kernel[(R,)](sampled, sampled.stride(0), num_accepted, need, drawn)
