@@ -1,15 +1,15 @@
 """DDTree configuration: extra fields, validation and accessors.
 
-Pure Python (json + dataclasses). The vLLM side -- turning ``method="ddtree"``
-into DFlash plumbing -- lives in :mod:`vllm_ddtree._patch.speculative_config`,
-which calls the validators below *before* vLLM builds the draft model config,
-so bad configurations fail before any weights load.
+Standard library (numpy lazily, in ``check_finite``). The vLLM side -- turning
+``method="ddtree"`` into DFlash plumbing -- lives in
+:mod:`vllm_ddtree._patch.speculative_config`, which calls the validators below *before*
+vLLM builds the draft model config, so bad configurations fail before any weights load.
 
 User-facing knobs, all inside ``--speculative-config``:
 
 * ``method: "ddtree"`` selects DDTree.
 * ``model``: a DFlash drafter checkpoint (``config.json`` with ``dflash_config``
-  and ``block_size``).
+  and ``block_size``), or on a GPU a DSpark one.
 * ``num_speculative_tokens``: the tree budget B (verified nodes per step).
 * ``ddtree_max_depth`` (optional): caps the tree depth D.
 * ``ddtree_adaptive_budget`` (optional, default false): B becomes the largest budget and
@@ -18,8 +18,9 @@ User-facing knobs, all inside ``--speculative-config``:
   ``"online"``: the same, then re-tuned while serving from the trees' own expected acceptance
   (:class:`vllm_ddtree.adaptive.online.OnlineSchedule`).
 
-The depth is ``D = min(block_size - 1, B, ddtree_max_depth)``. After
-validation vLLM sees ``method="dflash"`` with ``num_speculative_tokens=B``;
+The depth is ``D = min(block_size - 1, B, ddtree_max_depth)`` (``block_size`` in
+place of ``block_size - 1`` for DSpark drafters, whose anchor slot drafts too). After
+validation vLLM sees ``method="dflash"`` (``"dspark"``) with ``num_speculative_tokens=B``;
 the fields ``ddtree_enabled=True`` and ``ddtree_depth=D`` mark the config as
 DDTree and travel with it (pickle, deepcopy, ``vllm.config.utils.replace``).
 
@@ -38,9 +39,9 @@ Bounds (refused with a :class:`DDTreeConfigError` naming the field and the limit
 * ``B <= vocab_size`` of the target: each depth offers at most ``vocab_size``
   candidates, so a wider tree only adds ever-deeper paths of vanishing probability
   (never binding for real vocabularies, far above :data:`MAX_BUDGET`).
-* ``ddtree_max_depth <= block_size - 1``: the drafter drafts ``block_size - 1`` mask
-  positions per pass; a larger cap is refused rather than clamped, so a configuration
-  never asks for a depth it cannot get.  (``ddtree_max_depth`` above ``B`` is a cap
+* ``ddtree_max_depth <= block_size - 1`` (``block_size`` for DSpark): the drafter drafts
+  at most that many positions per pass; a larger cap is refused rather than clamped, so a
+  configuration never asks for a depth it cannot get.  (``ddtree_max_depth`` above ``B`` is a cap
   that does not bind: ``D = B``.)
 * At engine start (vLLM builds its scheduler config after this one), one request's
   verify rows must fit the scheduler's per-step token budget:

@@ -1,4 +1,6 @@
-"""Environment variables read by vllm-ddtree (vLLM's ``envs.py`` idiom).
+"""Environment variables read by the vllm-ddtree runtime (vLLM's ``envs.py`` idiom); the
+demo's own (``VLLM_DDTREE_CACHE``, ``VLLM_DDTREE_SMOLLM_*``) are read where they are used,
+in :mod:`vllm_ddtree.demo`.
 
 Every variable is read lazily, at attribute access, so tests and child processes
 see the current environment::

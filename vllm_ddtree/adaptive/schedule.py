@@ -8,7 +8,7 @@ the budget-``B`` tree are exactly the best ``n``-node tree.  Cutting the tree is
 
 The schedule maximizes ``tau(B) / step_cost(batch, 1 + B)`` per batch size over a small
 set of budgets (``D``, ``2**k - 1`` and the largest ``16 m - 1`` up to the configured
-maximum: whole 16-row tree-attention blocks, see ``candidates``), using
+maximum: whole tree-attention row blocks, see ``candidates``), using
 
 * ``step_cost``: a whole DDTree step (drafter, tree, verify of ``1 + B`` rows per request)
   relative to a DFlash-15 step at the same batch size, measured at equal acceptance
@@ -96,11 +96,12 @@ def tau(budget: int, depth: int) -> float:
 def candidates(max_budget: int, depth: int) -> list[int]:
     """``D``, the budgets ``2**k - 1`` above ``D`` up to the maximum, and the largest
     ``16 m - 1`` up to the maximum.  ``16 m - 1`` nodes verify ``16 m`` rows per request,
-    whole 16-row blocks of the Triton tree attention: one node more opens a block for one
-    row (measured on an H200 at 8B shape, 36 layers in a CUDA graph: R = 32, B = 31
-    0.90 ms against B = 32 1.85 ms; R = 8, B = 63 0.67 ms against B = 64 1.15 ms;
-    docs/benchmarks.md, "Tree build and tree attention").  A maximum with no such budget
-    above ``D`` is kept."""
+    whole row blocks of the Triton tree attention (16 rows; 32 over the tree keys of
+    trees wider than 32 rows, which ``2**k - 1`` budgets fill): one node more opens a
+    block for one row (measured on an H200 at 8B shape, 36 layers in a CUDA graph, on an
+    earlier tiling of 16-row blocks: R = 32, B = 31 0.90 ms against B = 32 1.85 ms;
+    R = 8, B = 63 0.67 ms against B = 64 1.15 ms; docs/benchmarks.md, "Tree build and
+    tree attention").  A maximum with no such budget above ``D`` is kept."""
     out = {min(depth, max_budget)}
     b = 15
     while b <= max_budget:
