@@ -133,7 +133,7 @@ if HAS_TRITON:
 def select_children_supported(max_depth: int, k: int, width: int) -> bool:
     """Whether Triton is there and every depth's pair sort fits one program."""
     return (HAS_TRITON and width > 0
-            and next_pow2(max(1, max(pair_layout(max_depth, k, width)[2]))) <= MAX_SORT)
+            and next_pow2(max(pair_layout(max_depth, k, width)[2])) <= MAX_SORT)
 
 
 def select_children_triton(
@@ -180,7 +180,7 @@ def _pair_tables(
     sizes = [min(width, k)] + [min(width, n) for n in num_pairs[1:]]
     # cached: nothing is copied to the device while a CUDA graph is captured
     num_pairs_t = cached_int64_tensor(tuple(num_pairs), str(device))
-    return parent_pos, ranks, num_pairs_t, next_pow2(max(1, max(num_pairs))), sum(sizes)
+    return parent_pos, ranks, num_pairs_t, next_pow2(max(num_pairs)), sum(sizes)
 
 
 def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
