@@ -130,7 +130,7 @@ def test_trainer_tiny_writes_dspark_drafter(smollm_dir, train_drafter, tmp_path,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from vllm_ddtree.config import is_dspark_drafter
+    from vllm_ddtree.drafter import is_dspark_drafter
     from vllm_ddtree.tree.conditioned import markov_bias
 
     out = tmp_path / "dspark"

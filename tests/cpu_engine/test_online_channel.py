@@ -31,6 +31,7 @@ from vllm_ddtree.adaptive.channel import (
 )
 from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
 from vllm_ddtree.adaptive.publisher import ExpectationPublisher
+from vllm_ddtree.config import ONLINE, DDTreeParams, attach_params, ddtree_params
 from vllm_ddtree.tree import build_tree
 
 _PID_WORD, _NAMESPACE_WORD = 1, 2  # header words (vllm_ddtree.adaptive.channel)
@@ -283,9 +284,8 @@ def test_scheduler_keeps_the_static_schedule_when_the_name_is_taken(
     from vllm_ddtree._patch import online_budget
 
     def scheduler(name: str) -> SimpleNamespace:
-        spec = SimpleNamespace(ddtree_enabled=True, method="dflash",
-                               ddtree_adaptive_budget="online", num_speculative_tokens=63,
-                               ddtree_depth=15, ddtree_online_channel=name)
+        spec = SimpleNamespace(method="dflash", num_speculative_tokens=63)
+        attach_params(spec, DDTreeParams(63, 15, ONLINE, online_channel=name))
         config = SimpleNamespace(speculative_config=spec,
                                  parallel_config=SimpleNamespace(data_parallel_rank=1))
         return SimpleNamespace(vllm_config=config, dynamic_sd_lookup=[0] + [63] * 8,
@@ -320,11 +320,14 @@ def test_scheduler_keeps_the_static_schedule_when_the_name_is_taken(
 
 
 def test_config_draws_one_channel_name(root):
+    """Drawn once per config, carried by every copy, never taken from the user (the
+    name locates a directory in /dev/shm)."""
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.config.speculative import SpeculativeConfig
 
     import vllm_ddtree
+    from vllm_ddtree.config import DDTreeConfigError
     from vllm_ddtree.testing.fixtures import make_tiny_pair
 
     vllm_ddtree.register()
@@ -332,21 +335,19 @@ def test_config_draws_one_channel_name(root):
     kw = {"model": str(d), "target_model_config": ModelConfig(model=str(t), dtype="float32"),
           "target_parallel_config": ParallelConfig(), "num_speculative_tokens": 16}
     online = SpeculativeConfig(method="ddtree", ddtree_adaptive_budget="online", **kw)
-    name = online.ddtree_online_channel
+    name = ddtree_params(online).online_channel
     assert len(name) == 32 and int(name, 16) >= 0
     for clone in (pickle.loads(pickle.dumps(online)), copy.deepcopy(online)):
-        assert clone.ddtree_online_channel == name  # every copy names the same channel
+        # every copy names the same channel
+        assert ddtree_params(clone).online_channel == name
     other = SpeculativeConfig(method="ddtree", ddtree_adaptive_budget="online", **kw)
-    assert other.ddtree_online_channel != name
-    assert SpeculativeConfig(method="ddtree", **kw).ddtree_online_channel is None
-    given = SpeculativeConfig(method="ddtree", ddtree_adaptive_budget="online",
+    assert ddtree_params(other).online_channel != name
+    assert ddtree_params(SpeculativeConfig(method="ddtree", **kw)).online_channel is None
+    for method in ("ddtree", "dflash"):
+        with pytest.raises(DDTreeConfigError, match=r"ddtree_online_channel is not a DDTree "
+                                                    r"option: vllm-ddtree names"):
+            SpeculativeConfig(method=method, ddtree_adaptive_budget="online",
                               ddtree_online_channel="abc123", **kw)
-    assert given.ddtree_online_channel == "abc123"
-    with pytest.raises(ValueError, match=r"ddtree_online_channel='\.\./x' is invalid"):
-        SpeculativeConfig(method="ddtree", ddtree_adaptive_budget="online",
-                          ddtree_online_channel="../x", **kw)
-    with pytest.raises(ValueError, match="ddtree_online_channel is set but method='dflash'"):
-        SpeculativeConfig(method="dflash", ddtree_online_channel="abc", **kw)
 
 
 # ------------------------------------------------------------ a SIGKILLed engine
@@ -363,23 +364,24 @@ def test_sigkilled_engine_leaves_a_stale_channel_that_the_next_creation_removes(
     from vllm_ddtree.testing.fixtures import make_tiny_pair
 
     t, d = make_tiny_pair(root, "random", "float32")
-    name = "sigkill" + os.urandom(8).hex()
     ready = tmp_path / "ready"
     script = textwrap.dedent(f"""
         import os, time
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core: this process
         from vllm import LLM
+        from vllm_ddtree.config import ddtree_params
         llm = LLM(model={str(t)!r}, dtype="float32", max_model_len=256, enforce_eager=True,
                   max_num_seqs=4, gpu_memory_utilization=0.2,
                   speculative_config={{"method": "ddtree", "model": {str(d)!r},
                                        "num_speculative_tokens": 16,
-                                       "ddtree_adaptive_budget": "online",
-                                       "ddtree_online_channel": {name!r}}})
-        open({str(ready)!r}, "w").write(str(os.getpid()))
+                                       "ddtree_adaptive_budget": "online"}})
+        spec = llm.llm_engine.vllm_config.speculative_config
+        with open({str(ready)!r} + ".tmp", "w") as f:  # the name the engine drew
+            f.write(ddtree_params(spec).online_channel)
+        os.replace({str(ready)!r} + ".tmp", {str(ready)!r})
         time.sleep(3600)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    path = Path(StatsChannel.DIR) / channel_dir_name(name, 0)
     with open(tmp_path / "engine.log", "w") as log:
         engine = subprocess.Popen([sys.executable, "-c", script], stdout=log,
                                   stderr=subprocess.STDOUT, env=env)
@@ -389,6 +391,7 @@ def test_sigkilled_engine_leaves_a_stale_channel_that_the_next_creation_removes(
                 assert engine.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "engine did not start"
                 time.sleep(1)
+            path = Path(StatsChannel.DIR) / channel_dir_name(ready.read_text(), 0)
             assert path.is_dir()
             with open(path / FILE, "rb") as f:
                 assert struct.unpack("<2q", f.read(16))[1] == engine.pid

@@ -19,11 +19,12 @@ import vllm_ddtree
 from vllm_ddtree.config import (
     MAX_BUDGET,
     DDTreeConfigError,
-    DrafterInfo,
+    DDTreeParams,
+    attach_params,
     check_verify_fits,
     ddtree_params,
-    resolve_depth,
 )
+from vllm_ddtree.drafter import DrafterInfo, resolve_depth
 
 pytestmark = pytest.mark.vllm
 
@@ -69,6 +70,11 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Any, str]
     return out
 
 
+def budget_depth(speculative_config: Any) -> tuple[int, int]:
+    params = ddtree_params(speculative_config)
+    return params.budget, params.depth
+
+
 def spec(pair: tuple[Any, str], **kwargs: Any) -> Any:
     from vllm.config import ParallelConfig
     from vllm.config.speculative import SpeculativeConfig
@@ -82,7 +88,7 @@ def spec(pair: tuple[Any, str], **kwargs: Any) -> Any:
 
 
 def test_largest_budget_accepted_and_one_more_refused(pairs) -> None:
-    assert ddtree_params(spec(pairs[4096], num_speculative_tokens=MAX_BUDGET)) == \
+    assert budget_depth(spec(pairs[4096], num_speculative_tokens=MAX_BUDGET)) == \
         (MAX_BUDGET, 15)
     for budget in (MAX_BUDGET + 1, 100000):
         with pytest.raises(DDTreeConfigError,
@@ -92,7 +98,7 @@ def test_largest_budget_accepted_and_one_more_refused(pairs) -> None:
 
 
 def test_budget_refused_above_the_vocabulary(pairs) -> None:
-    assert ddtree_params(spec(pairs[512], num_speculative_tokens=512)) == (512, 15)
+    assert budget_depth(spec(pairs[512], num_speculative_tokens=512)) == (512, 15)
     with pytest.raises(ValueError, match=r"num_speculative_tokens=513 exceeds the target "
                                          r"Qwen3ForCausalLM vocab_size=512"):
         spec(pairs[512], num_speculative_tokens=513)
@@ -113,8 +119,8 @@ def test_budget_bound_through_engine_args(pairs) -> None:
 
 
 def test_depth_up_to_block_size_minus_one(pairs) -> None:
-    assert ddtree_params(spec(pairs[512], num_speculative_tokens=32,
-                              ddtree_max_depth=15)) == (32, 15)
+    assert budget_depth(spec(pairs[512], num_speculative_tokens=32,
+                             ddtree_max_depth=15)) == (32, 15)
     for depth in (16, 100):
         with pytest.raises(ValueError, match=rf"ddtree_max_depth={depth} exceeds what the "
                                              r"drafter can draft: block_size - 1 = 15"):
@@ -123,9 +129,9 @@ def test_depth_up_to_block_size_minus_one(pairs) -> None:
 
 def test_depth_bound_for_a_drafter_vllm_fetched(pairs, monkeypatch) -> None:
     """Hub ids: block_size comes from the config vLLM loaded, still before weights."""
-    from vllm_ddtree import config as ddcfg
+    from vllm_ddtree import drafter
 
-    monkeypatch.setattr(ddcfg, "load_drafter_config", lambda model: None)
+    monkeypatch.setattr(drafter, "load_drafter_config", lambda model: None)
     with pytest.raises(ValueError, match="ddtree_max_depth=100 exceeds"):
         spec(pairs[512], num_speculative_tokens=4, ddtree_max_depth=100)
 
@@ -167,9 +173,9 @@ def test_scheduler_check_reads_vllms_budgets() -> None:
     from vllm_ddtree._patch.online_budget import check_verify_fits as scheduler_check
 
     def scheduler(budget: int, batched: int, scheduled: int | None) -> SimpleNamespace:
-        spec = SimpleNamespace(ddtree_enabled=True, method="dflash",
-                               num_speculative_tokens=budget, ddtree_depth=15,
+        spec = SimpleNamespace(method="dflash", num_speculative_tokens=budget,
                                max_num_new_slots_for_drafting=15)
+        attach_params(spec, DDTreeParams(budget, 15))
         config = SimpleNamespace(speculative_config=spec,
                                  scheduler_config=SimpleNamespace(
                                      max_num_batched_tokens=batched,

@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vllm_ddtree
-from vllm_ddtree.config import ddtree_params, is_ddtree
+from vllm_ddtree.config import DDTreeParams, attach_params, ddtree_params, is_ddtree
 from vllm_ddtree.testing import dspark_fixture as dx
 from vllm_ddtree.testing import fixtures as fx
 
@@ -40,6 +40,11 @@ def on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(patch, "_check_dspark_platform", lambda: None)
 
 
+def budget_depth(speculative_config: Any) -> tuple[int, int]:
+    params = ddtree_params(speculative_config)
+    return params.budget, params.depth
+
+
 def spec(root: Path, vd: int | None = None, **kwargs: Any) -> Any:
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.config.speculative import SpeculativeConfig
@@ -59,10 +64,10 @@ def test_dspark_drafter_runs_on_vllm_dspark_plumbing(root, on_gpu, vd) -> None:
     predicts depth 1, so a DSpark pass drafts one position more than a DFlash one."""
     s = spec(root, vd)
     assert s.method == "dspark" and s.use_dspark() and s.parallel_drafting
-    assert is_ddtree(s) and ddtree_params(s) == (20, 16)
+    assert is_ddtree(s) and budget_depth(s) == (20, 16) and ddtree_params(s).dspark
     assert s.draft_model_config.architectures == ["Qwen3DSparkModel"]
-    assert ddtree_params(spec(root, vd, num_speculative_tokens=8)) == (8, 8)
-    assert ddtree_params(spec(root, vd, ddtree_max_depth=16)) == (20, 16)
+    assert budget_depth(spec(root, vd, num_speculative_tokens=8)) == (8, 8)
+    assert budget_depth(spec(root, vd, ddtree_max_depth=16)) == (20, 16)
 
 
 def test_dspark_depth_bound(root, on_gpu) -> None:
@@ -87,8 +92,10 @@ def test_gpu_runner_selects_the_dspark_tree_speculator(monkeypatch) -> None:
     init = make_init_speculator(lambda config, device: ("vllm", device))
 
     def config(method: str, ddtree: bool) -> Any:
-        return SimpleNamespace(speculative_config=SimpleNamespace(
-            method=method, ddtree_enabled=ddtree))
+        spec = SimpleNamespace(method=method)
+        if ddtree:
+            attach_params(spec, DDTreeParams(8, 8, dspark=method == "dspark"))
+        return SimpleNamespace(speculative_config=spec)
 
     assert init(config("dspark", True), "dev") == ("dspark", "dev")
     assert init(config("dflash", True), "dev") == ("dflash", "dev")

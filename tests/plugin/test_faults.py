@@ -19,7 +19,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vllm_ddtree
-from vllm_ddtree.config import DDTreeConfigError, check_finite, ddtree_params
+from vllm_ddtree.config import DDTreeConfigError, ddtree_params
+from vllm_ddtree.drafter import check_finite, load_drafter_config
 from vllm_ddtree.testing.fixtures import make_tiny_pair
 
 pytestmark = pytest.mark.vllm
@@ -67,7 +68,8 @@ def edit_config(folder: Path, **changes: Any) -> None:
 
 def test_the_untouched_pair_is_accepted(tiny) -> None:
     for target_config, drafter in tiny.values():
-        assert ddtree_params(spec(target_config, drafter)) == (8, 8)
+        params = ddtree_params(spec(target_config, drafter))
+        assert (params.budget, params.depth) == (8, 8)
 
 
 # ------------------------------------------------------------- NaN/inf weights
@@ -194,7 +196,5 @@ def test_errors_are_ddtree_config_errors(tiny, tmp_path: Path) -> None:
         spec(target_config, folder)
     message = str(info.value)
     assert "Traceback" not in message and message.count("num_hidden_layers") == 1
-    from vllm_ddtree import config as ddcfg
-
     with pytest.raises(DDTreeConfigError):
-        ddcfg.load_drafter_config(str(folder))
+        load_drafter_config(str(folder))

@@ -88,7 +88,8 @@ def test_undo_restores_originals() -> None:
         patched = _snapshot(cls)
         assert patched["__post_init__"] is not before["__post_init__"]
         assert patched["__init__"] is not before["__init__"]
-        assert {"ddtree_max_depth", "ddtree_enabled", "ddtree_depth"} <= set(patched["fields"])
+        added = {name for name in patched["fields"] if name.startswith("ddtree")}
+        assert added == {"ddtree_max_depth", "ddtree_adaptive_budget"}
 
         vllm_ddtree._unregister()
         after = _snapshot(cls)
@@ -204,14 +205,16 @@ def test_check_signature() -> None:
 
 
 def test_added_fields_are_real_dataclass_fields() -> None:
-    """`dataclasses.fields` / vLLM's `replace()` see them, so the marker is never dropped."""
+    """`dataclasses.fields` / vLLM's `replace()` see the options; they are the only
+    fields added (what the plugin derives is an attribute users cannot set)."""
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.utils import is_init_field
 
     vllm_ddtree.register()
     names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    for extra in ("ddtree_max_depth", "ddtree_enabled", "ddtree_depth"):
+    for extra in ("ddtree_max_depth", "ddtree_adaptive_budget"):
         assert extra in names and is_init_field(SpeculativeConfig, extra)
+    assert not {"ddtree_enabled", "ddtree_depth", "ddtree_online_channel"} & names
 
 
 def test_v1_dflash_proposer_refuses_ddtree_configs(monkeypatch) -> None:
@@ -226,7 +229,11 @@ def test_v1_dflash_proposer_refuses_ddtree_configs(monkeypatch) -> None:
     from vllm_ddtree.cpu.proposer import DDTreeProposer
 
     vllm_ddtree.register()
-    ddtree_cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree_enabled=True))
+    from vllm_ddtree.config import DDTreeParams, attach_params
+
+    ddtree_spec = SimpleNamespace()
+    attach_params(ddtree_spec, DDTreeParams(8, 8))
+    ddtree_cfg = SimpleNamespace(speculative_config=ddtree_spec)
     # on the CPU platform the guard is off (the CPU runner builds vLLM's proposer first and
     # the DDTree worker replaces it): vLLM's own __init__ runs (and fails on the fake config)
     assert not gpu_runner.v1_runner_is_ddtree_free()

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vllm_ddtree
 from vllm_ddtree import version
-from vllm_ddtree.config import DDTreeConfigError, ddtree_params, is_ddtree
+from vllm_ddtree.config import PARAMS_ATTR, DDTreeConfigError, ddtree_params, is_ddtree
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,6 +104,11 @@ def spec(target_config: Any, parallel: Any = None, **kwargs: Any) -> Any:
         target_parallel_config=parallel if parallel is not None else ParallelConfig(),
         **kwargs,
     )
+
+
+def budget_depth(speculative_config: Any) -> tuple[int, int]:
+    params = ddtree_params(speculative_config)
+    return params.budget, params.depth
 
 
 def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -251,7 +256,8 @@ def test_ddtree_maps_to_dflash(target_config: Any, pair: tuple[str, str]) -> Non
     assert sc.parallel_drafting is True
     assert sc.num_speculative_tokens == 8
     assert is_ddtree(sc)
-    assert ddtree_params(sc) == (8, 8)
+    assert ddtree_params(sc).budget == 8 and ddtree_params(sc).depth == 8
+    assert not ddtree_params(sc).dspark and ddtree_params(sc).adaptive is False
     assert "DFlashDraftModel" in sc.draft_model_config.architectures
 
 
@@ -264,7 +270,7 @@ def test_depth(
     sc = spec(
         target_config, model=pair[1], num_speculative_tokens=budget, ddtree_max_depth=max_depth
     )
-    assert ddtree_params(sc) == (budget, depth)
+    assert budget_depth(sc) == (budget, depth)
 
 
 @pytest.mark.parametrize(("budget", "max_depth"), [(63, None), (32, 3), (15, None)])
@@ -278,7 +284,7 @@ def test_drafting_slots_count_the_drafters_masks(
     -> 128 tokens per step)."""
     tree = spec(target_config, model=pair[1], num_speculative_tokens=budget,
                 ddtree_max_depth=max_depth)
-    _, depth = ddtree_params(tree)
+    depth = ddtree_params(tree).depth
     wide = spec(target_config, method="dflash", model=pair[1], num_speculative_tokens=budget)
     reserves = wide.max_num_new_slots_for_drafting > 0
     assert tree.max_num_new_slots_for_drafting == (depth if reserves else 0)
@@ -286,20 +292,21 @@ def test_drafting_slots_count_the_drafters_masks(
         assert wide.max_num_new_slots_for_drafting > tree.max_num_new_slots_for_drafting
 
 
-def test_marker_survives_pickle_and_deepcopy(
+def test_params_survive_pickle_and_deepcopy(
     target_config: Any, pair: tuple[str, str]
 ) -> None:
     sc = spec(target_config, model=pair[1], num_speculative_tokens=5, ddtree_max_depth=3)
     for clone in (pickle.loads(pickle.dumps(sc)), copy.deepcopy(sc)):
         assert clone.method == "dflash"
         assert is_ddtree(clone)
-        assert ddtree_params(clone) == (5, 3)
+        assert ddtree_params(clone) == ddtree_params(sc)
+        assert budget_depth(clone) == (5, 3)
 
 
 def test_other_methods_untouched(target_config: Any, pair: tuple[str, str]) -> None:
     sc = spec(target_config, method="dflash", model=pair[1], num_speculative_tokens=4)
     assert sc.method == "dflash" and not is_ddtree(sc)
-    assert sc.ddtree_enabled is False and sc.ddtree_depth is None
+    assert getattr(sc, PARAMS_ATTR, None) is None
     with pytest.raises(ValueError, match="not a DDTree speculative config"):
         ddtree_params(sc)
     ngram = spec(target_config, method="ngram", num_speculative_tokens=3)
@@ -318,10 +325,10 @@ def test_engine_args_create_engine_config(pair: tuple[str, str]) -> None:
     )
     vllm_config = args.create_engine_config()
     sc = vllm_config.speculative_config
-    assert sc.method == "dflash" and is_ddtree(sc) and ddtree_params(sc) == (6, 6)
+    assert sc.method == "dflash" and is_ddtree(sc) and budget_depth(sc) == (6, 6)
     # What workers receive (pickled VllmConfig; not re-validated there).
     worker_sc = pickle.loads(pickle.dumps(vllm_config)).speculative_config
-    assert is_ddtree(worker_sc) and ddtree_params(worker_sc) == (6, 6)
+    assert is_ddtree(worker_sc) and budget_depth(worker_sc) == (6, 6)
 
 
 def test_cli_json_and_spec_method(pair: tuple[str, str]) -> None:
@@ -338,7 +345,7 @@ def test_cli_json_and_spec_method(pair: tuple[str, str]) -> None:
         ]
     )
     sc = EngineArgs.from_cli_args(cli).create_engine_config().speculative_config
-    assert ddtree_params(sc) == (4, 2)
+    assert budget_depth(sc) == (4, 2)
     flags = parser.parse_args(["--model", pair[0], "--spec-method", "ddtree"])
     assert flags.spec_method == "ddtree"
 
@@ -482,20 +489,20 @@ def test_block_size_in_dflash_config(target_config: Any, tmp_path: Path) -> None
         tmp_path, ("block_size",),
         dflash_config={**_DRAFTER["dflash_config"], "block_size": 8},
     )
-    assert ddtree_params(spec(target_config, model=path, num_speculative_tokens=16)) == (16, 7)
+    assert budget_depth(spec(target_config, model=path, num_speculative_tokens=16)) == (16, 7)
 
 
 def test_remote_drafter_validated_after_vllm_loads_it(
     target_config: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hub ids are not read by us; the config vLLM fetched is checked instead."""
-    from vllm_ddtree import config as ddcfg
+    from vllm_ddtree import drafter as drafter_files
 
-    monkeypatch.setattr(ddcfg, "load_drafter_config", lambda model: None)
+    monkeypatch.setattr(drafter_files, "load_drafter_config", lambda model: None)
     with pytest.raises(ValueError, match="has no 'dflash_config'"):
         spec(target_config, model=drafter(tmp_path, ("dflash_config",)), num_speculative_tokens=4)
     good = spec(target_config, model=drafter(tmp_path / "ok"), num_speculative_tokens=20)
-    assert ddtree_params(good) == (20, 15)
+    assert budget_depth(good) == (20, 15)
 
 
 def _fake_target(**overrides: Any) -> SimpleNamespace:

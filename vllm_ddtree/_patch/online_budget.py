@@ -24,7 +24,7 @@ def check_verify_fits(scheduler) -> None:
     spec = scheduler.vllm_config.speculative_config
     if not is_ddtree(spec):
         return
-    budget, _ = ddtree_params(spec)
+    budget = ddtree_params(spec).budget
     scheduler_config = scheduler.vllm_config.scheduler_config
     token_budget = getattr(scheduler, "max_num_scheduled_tokens", None)
     if token_budget is None:
@@ -38,7 +38,7 @@ def attach(scheduler) -> None:
     a channel (the name is taken, ``/dev/shm`` is not writable) the scheduler keeps
     the static schedule, with a warning; without a schedule (vLLM drops it under data
     parallelism) it keeps the static budget, with a warning."""
-    from vllm_ddtree.config import CHANNEL_FIELD, ddtree_params, is_online
+    from vllm_ddtree.config import ddtree_params, is_online
 
     spec = scheduler.vllm_config.speculative_config
     if not is_online(spec):
@@ -63,10 +63,10 @@ def attach(scheduler) -> None:
     from vllm_ddtree.adaptive.channel import StatsChannel, channel_dir_name
     from vllm_ddtree.adaptive.online import OnlineSchedule, OnlineTuner
 
-    budget, depth = ddtree_params(spec)
-    policy = OnlineSchedule(budget, depth, len(lookup) - 1)
-    name = getattr(spec, CHANNEL_FIELD, None)
-    channel, reason = None, f"speculative_config.{CHANNEL_FIELD} is not set"
+    params = ddtree_params(spec)
+    policy = OnlineSchedule(params.budget, params.depth, len(lookup) - 1)
+    name = params.online_channel
+    channel, reason = None, "the config names no channel"
     if name is not None:
         try:
             channel = StatsChannel.create(channel_dir_name(name, replica), len(policy.budgets))

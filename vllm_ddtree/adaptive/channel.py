@@ -11,7 +11,7 @@ by vLLM's worker processes, would unlink or double-unregister the segment.)
 The server may run as root on a host whose ``/dev/shm`` other users write to, so:
 
 * the path is unguessable: ``<DIR>/vllm_ddtree_<name>_dp<rank>/stats`` with ``name``
-  the random ``ddtree_online_channel`` of the engine config (drawn once, so every
+  the random ``online_channel`` of the engine's DDTree settings (drawn once, so every
   process's copy names the same channel) and ``rank`` the data-parallel replica;
 * the scheduler makes a fresh directory (``mkdir`` mode 0700, which fails on any
   existing entry, links included) and the file in it with ``O_CREAT | O_EXCL |
@@ -61,7 +61,7 @@ class ChannelAddress:
 
 def channel_dir_name(name: str, data_parallel_rank: int) -> str:
     """The channel directory of replica ``data_parallel_rank`` of an engine whose config
-    carries ``ddtree_online_channel = name`` (replicas share one config)."""
+    carries ``online_channel = name`` (replicas share one config)."""
     return f"{PREFIX}{name}_dp{data_parallel_rank}"
 
 

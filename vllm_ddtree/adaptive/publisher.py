@@ -107,10 +107,11 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
     only, to the scheduler's process: this process with vLLM's in-process executor
     (``uni``), the parent with its multiprocess one (``mp``); other executors (Ray) get
     the static schedule, with a warning.  The channel is the one named by the config's
-    ``ddtree_online_channel`` for this data-parallel replica, and it must have been
+    ``online_channel`` (:class:`~vllm_ddtree.config.DDTreeParams`) for this data-parallel
+    replica, and it must have been
     created by that scheduler process (:meth:`StatsChannel.attach`).  None as well where
     vLLM dropped the per-batch-size schedule (data parallelism; the scheduler says so)."""
-    from vllm_ddtree.config import CHANNEL_FIELD, ddtree_params, is_online
+    from vllm_ddtree.config import ddtree_params, is_online
 
     spec = vllm_config.speculative_config
     if not is_online(spec) or not spec.num_speculative_tokens_per_batch_size:
@@ -123,7 +124,8 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
     backend = parallel.distributed_executor_backend
     pid = {"uni": os.getpid(), "mp": os.getppid()}.get(backend) \
         if isinstance(backend, str) else None
-    name = getattr(spec, CHANNEL_FIELD, None)
+    params = ddtree_params(spec)
+    name = params.online_channel
     address = None
     if get_tensor_model_parallel_rank() != 0:
         pass  # every rank builds the same trees: rank 0 speaks for all
@@ -132,5 +134,4 @@ def make_publisher(vllm_config: Any, device: torch.device | str,
               "executor (got %r): the budget schedule stays static.", backend)
     elif name is not None:  # (without one the scheduler has no channel either, and says so)
         address = ChannelAddress(channel_dir_name(name, replica_index(parallel)), pid)
-    budget, depth = ddtree_params(spec)
-    return ExpectationPublisher(budget, depth, max_reqs, device, address)
+    return ExpectationPublisher(params.budget, params.depth, max_reqs, device, address)

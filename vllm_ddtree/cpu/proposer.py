@@ -118,7 +118,8 @@ class DDTreeProposer(DFlashProposer):
         if batch_req_ids is None or has_structured_output is None:
             raise TypeError("DDTreeProposer needs its runner's batch_req_ids and "
                             "has_structured_output")
-        self.budget, self.depth = ddtree_params(vllm_config.speculative_config)
+        params = ddtree_params(vllm_config.speculative_config)
+        self.budget, self.depth = params.budget, params.depth
         self._batch_req_ids = batch_req_ids
         self._has_structured_output = has_structured_output
         self._trees = TreeStore()
