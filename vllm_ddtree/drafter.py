@@ -1,10 +1,12 @@
 """What a drafter checkpoint says about itself, read before vLLM loads it.
 
-For a local folder (:func:`load_drafter_config`): its ``config.json`` as a JSON object
-whose fields have the types vLLM builds the drafter from (:func:`check_drafter_types`),
-and every ``*.safetensors`` file readable, complete and free of NaN/inf
-(:func:`check_safetensors`, :func:`check_finite`).  For a Hub id vLLM fetches the config
-and :mod:`vllm_ddtree.resolve` checks that instead; its weights are not scanned (vLLM
+For a local folder (:func:`load_drafter_config`): its ``config.json``, of bounded size
+and nesting, as a JSON object whose fields have the types vLLM builds the drafter from
+(:func:`check_drafter_types`), and every ``*.safetensors`` file readable, complete and
+free of NaN/inf (:func:`check_safetensors`, :func:`check_finite`).  Anything but a
+regular file in these places (a directory, a FIFO, a device) is refused by name without
+reading it, so a start-up never blocks on it.  For a Hub id vLLM fetches the config and
+:mod:`vllm_ddtree.resolve` checks that instead; its weights are not scanned (vLLM
 downloads them later), and at run time trees drafted from NaN/inf logits are dropped
 (:mod:`vllm_ddtree.drafter_faults`).
 
@@ -21,8 +23,9 @@ import functools
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from vllm_ddtree.config import (
     BASE_METHOD,
@@ -38,8 +41,46 @@ from vllm_ddtree.config import (
 DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
 _DFLASH_EXTRA_ARCHITECTURES = frozenset({"MuseGlimmerAssistantModel"})
 
+#: Largest drafter ``config.json`` read: real ones are a few kB, and a bigger file is
+#: refused by its size before any of it is read.
+MAX_CONFIG_BYTES = 16 << 20
+#: Largest safetensors header, the format's own limit (its reference reader refuses more).
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _open_regular(path: str, what: str) -> tuple[BinaryIO, os.stat_result]:
+    """``path`` opened for binary reading, with its ``fstat``, if it is a regular file
+    (a symbolic link to one, as in the Hub cache, counts); else a
+    :class:`DDTreeConfigError` saying ``what`` it is.  Opened non-blocking and checked
+    on the open descriptor: a FIFO would block a plain ``open`` until a writer came,
+    and a check by path before opening could be raced.  ``OSError`` from the open
+    itself (missing file, no permission) propagates."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DDTreeConfigError(
+                f"{what} is {_file_kind(info.st_mode)}, not a regular file: replace it "
+                "with the checkpoint's file.")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), info
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def load_drafter_config(model: str | None) -> dict[str, Any] | None:
-    """The drafter's ``config.json`` as a dict for a local folder, else None.
+    """The drafter's ``config.json`` as a dict for a local folder, else None, with the
+    folder's safetensors files checked (:func:`check_safetensors`).
 
     ``None`` means "not a local path" (a Hub id): the caller validates the
     config vLLM downloads instead. No network access happens here.
@@ -53,23 +94,38 @@ def load_drafter_config(model: str | None) -> dict[str, Any] | None:
     if not os.path.isdir(path):
         return None
     config_path = os.path.join(path, "config.json")
+    where = f"speculative_config.model={model!r}: {config_path}"
     try:
-        with open(config_path, encoding="utf-8") as f:
-            data = json.load(f)
+        f, info = _open_regular(config_path, where)
+        with f:
+            if info.st_size > MAX_CONFIG_BYTES:
+                raise DDTreeConfigError(
+                    f"{where} is {info.st_size} bytes, more than a drafter config.json "
+                    f"can be ({MAX_CONFIG_BYTES} bytes); it was not read. Replace it with "
+                    "the checkpoint's config.json.")
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # st_size 0: a file of the proc kind
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise DDTreeConfigError(
+                f"{where} holds more than {MAX_CONFIG_BYTES} bytes, more than a drafter "
+                "config.json can be. Replace it with the checkpoint's config.json.")
+        data = json.loads(raw.decode("utf-8"))
+    except DDTreeConfigError:
+        raise
     except FileNotFoundError:
         raise DDTreeConfigError(
             f"speculative_config.model={model!r} has no config.json: "
             "method='ddtree' needs a DFlash drafter checkpoint folder."
         ) from None
-    except (OSError, json.JSONDecodeError) as e:
+    except RecursionError:
         raise DDTreeConfigError(
-            f"speculative_config.model={model!r}: cannot read {config_path}: {e}"
-        ) from e
+            f"{where} nests JSON arrays or objects deeper than the parser allows: it is "
+            "no model config. Replace it with the checkpoint's config.json.") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise DDTreeConfigError(f"speculative_config.model={model!r}: cannot read "
+                                f"{config_path}: {e}") from e
     if not isinstance(data, dict):
-        raise DDTreeConfigError(
-            f"speculative_config.model={model!r}: {config_path} is not a JSON object."
-        )
-    check_drafter_types(data, f"speculative_config.model={model!r}: {config_path}")
+        raise DDTreeConfigError(f"{where} is not a JSON object.")
+    check_drafter_types(data, where)
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             check_safetensors(os.path.join(path, name), model)
@@ -82,15 +138,27 @@ def check_safetensors(file: str, model: str) -> None:
     (:func:`check_finite`) fails here with its name rather than deep in the loader or
     as a drafter that never gets a token accepted."""
     where = f"speculative_config.model={model!r}: drafter weights {file}"
-    size = os.path.getsize(file)
     try:
-        with open(file, "rb") as f:
+        f, info = _open_regular(file, where)
+        size = info.st_size
+        with f:
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or n <= 0 or 8 + n > size:
                 raise ValueError(f"header length {n} does not fit in {size} bytes")
+            if n > MAX_SAFETENSORS_HEADER:
+                raise ValueError(f"header length {n} exceeds the format's limit of "
+                                 f"{MAX_SAFETENSORS_HEADER} bytes")
             header = json.loads(f.read(n))
         tensors = {k: (str(t["dtype"]), int(t["data_offsets"][0]), int(t["data_offsets"][1]))
                    for k, t in header.items() if k != "__metadata__"}
+        for key, (_, begin, stop) in tensors.items():
+            if not 0 <= begin <= stop:
+                raise ValueError(f"tensor {key!r} has data_offsets [{begin}, {stop}]")
+    except DDTreeConfigError:
+        raise
+    except RecursionError:
+        raise DDTreeConfigError(f"{where} is not a readable safetensors file (its header "
+                                "nests JSON deeper than the parser allows).") from None
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise DDTreeConfigError(f"{where} is not a readable safetensors file ({e}).") from None
     end = max((stop for _, _, stop in tensors.values()), default=0)
@@ -98,7 +166,6 @@ def check_safetensors(file: str, model: str) -> None:
         raise DDTreeConfigError(
             f"{where} is truncated: {size} bytes, its header describes {8 + n + end}. "
             "Copy or download the drafter again.")
-    info = os.stat(file)
     bad = check_finite(os.path.realpath(file), info.st_size, info.st_mtime_ns, 8 + n,
                        tuple(sorted(tensors.items())))
     if bad is not None:

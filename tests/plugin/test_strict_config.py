@@ -1,13 +1,16 @@
 """Strict ``--speculative-config``, tried as a careless user would: ``ddtree*`` keys that
 are no option (the settings vllm-ddtree derives itself among them) refused for every
-method, and option values refused as written, before pydantic's lax coercion turns
-``"4"`` into a depth or ``1`` into ``true``."""
+method, option values refused as written, before pydantic's lax coercion turns
+``"4"`` into a depth or ``1`` into ``true``, and drafter files that are no regular file,
+too big or nested too deeply refused by name, at once."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vllm_ddtree
+from vllm_ddtree import drafter
 from vllm_ddtree.config import (
     PARAMS_ATTR,
     DDTreeConfigError,
@@ -192,3 +196,121 @@ def test_cli_json_options_as_written(tiny, root: Path) -> None:
                                                 "num_speculative_tokens": 8, **extra})])
         with pytest.raises(ValueError, match=match):
             EngineArgs.from_cli_args(cli).create_engine_config()
+
+
+# --------------------------------------------------------------- drafter files
+
+
+@pytest.fixture
+def no_hang() -> Iterator[None]:
+    """Fail, rather than block the run, if a read blocks (a FIFO without a writer)."""
+
+    def blocked(signum: int, frame: Any) -> None:
+        raise TimeoutError("blocked reading a drafter file")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(30)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def folder_with(tmp_path: Path, config: bytes | None = b'{"block_size": 16}') -> Path:
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_bytes(config)
+    return folder
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000, "[" * 100_000 + "]"])
+def test_deeply_nested_config_json(tmp_path: Path, text: str) -> None:
+    folder = folder_with(tmp_path, text.encode())
+    with pytest.raises(DDTreeConfigError, match=r"config.json nests JSON arrays or objects "
+                                                r"deeper than the parser allows") as info:
+        drafter.load_drafter_config(str(folder))
+    assert str(folder / "config.json") in str(info.value)
+
+
+def test_config_json_fifo(tmp_path: Path, no_hang: None) -> None:
+    folder = folder_with(tmp_path, None)
+    os.mkfifo(folder / "config.json")
+    with pytest.raises(DDTreeConfigError, match=re.escape(f"{folder / 'config.json'} is a "
+                                                          "FIFO, not a regular file")):
+        drafter.load_drafter_config(str(folder))
+
+
+def test_config_json_directory(tmp_path: Path) -> None:
+    folder = folder_with(tmp_path, None)
+    (folder / "config.json").mkdir()
+    with pytest.raises(DDTreeConfigError, match=re.escape(f"{folder / 'config.json'} is a "
+                                                          "directory, not a regular file")):
+        drafter.load_drafter_config(str(folder))
+
+
+def test_config_json_too_big_is_not_read(tmp_path: Path, no_hang: None) -> None:
+    folder = folder_with(tmp_path, None)
+    with open(folder / "config.json", "wb") as f:
+        f.truncate(1 << 36)  # sparse: 64 GiB that a read would try to hold in memory
+    with pytest.raises(DDTreeConfigError, match=rf"config.json is {1 << 36} bytes, more than "
+                                                rf"a drafter config.json can be "
+                                                rf"\({drafter.MAX_CONFIG_BYTES} bytes\); "
+                                                "it was not read"):
+        drafter.load_drafter_config(str(folder))
+
+
+def test_config_json_growing_past_the_bound(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose size says nothing (``st_size`` 0, as in /proc) is read up to the
+    bound only."""
+    folder = folder_with(tmp_path, b"{" + b" " * 64 + b"}")
+    monkeypatch.setattr(drafter, "MAX_CONFIG_BYTES", 16)
+    real_fstat = os.fstat
+    monkeypatch.setattr(drafter.os, "fstat",
+                        lambda fd: os.stat_result((*real_fstat(fd)[:6], 0, *real_fstat(fd)[7:])))
+    with pytest.raises(DDTreeConfigError, match="holds more than 16 bytes"):
+        drafter.load_drafter_config(str(folder))
+
+
+def test_config_json_symlink_to_a_file_is_read(tmp_path: Path) -> None:
+    """The Hub cache's layout: config.json links to a blob."""
+    blob = tmp_path / "blob"
+    blob.write_text('{"block_size": 16}')
+    folder = folder_with(tmp_path, None)
+    (folder / "config.json").symlink_to(blob)
+    assert drafter.load_drafter_config(str(folder)) == {"block_size": 16}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_safetensors_entry_not_a_file(tmp_path: Path, no_hang: None, kind: str) -> None:
+    folder = folder_with(tmp_path)
+    entry = folder / "model.safetensors"
+    os.mkfifo(entry) if kind == "fifo" else entry.mkdir()
+    what = "a FIFO" if kind == "fifo" else "a directory"
+    with pytest.raises(DDTreeConfigError, match=re.escape(f"drafter weights {entry} is "
+                                                          f"{what}, not a regular file")):
+        drafter.load_drafter_config(str(folder))
+
+
+@pytest.mark.parametrize(("header", "match"), [
+    (b"[" * 100_000, "its header nests JSON deeper than the parser allows"),
+    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}',
+     r"tensor 'w' has data_offsets \[-4, 0\]"),
+])
+def test_safetensors_header_refused(tmp_path: Path, header: bytes, match: str) -> None:
+    folder = folder_with(tmp_path)
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(DDTreeConfigError, match=rf"model.safetensors is not a readable "
+                                                rf"safetensors file \(.*{match}"):
+        drafter.load_drafter_config(str(folder))
+
+
+@pytest.mark.vllm
+def test_vllm_names_the_fifo(tiny, tmp_path: Path, no_hang: None) -> None:
+    """Through vLLM's config layer: refused at once, the file named."""
+    folder = folder_with(tmp_path, None)
+    os.mkfifo(folder / "config.json")
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'config.json'} is a FIFO")):
+        spec(tiny, method="ddtree", model=str(folder))
