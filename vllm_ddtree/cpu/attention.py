@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
 from vllm_ddtree.cpu.tree_store import VerifyContext, VerifyKV, VerifyStep
+from vllm_ddtree.support import attention_problems, refuse_layer
 
 
 def unpack_blocks(
@@ -123,30 +124,19 @@ SUPPORTED_ISAS = ("vec", "vec16", "amx")  # KV layouts whose unpacking is verifi
 
 
 def check_supported(name: str, layer: Any) -> None:
-    """Refuse, at load time, layers whose tree rows this path cannot compute exactly."""
+    """Refuse, at load time, layers whose tree rows this path cannot compute exactly:
+    the features no tree verify supports (:func:`vllm_ddtree.support.attention_problems`)
+    and this path's own limits (vLLM's CPU_ATTN backend, KV layouts it unpacks)."""
     impl = layer.impl
-    problems = []
+    problems = attention_problems(impl)
     if type(impl) not in (CPUAttentionBackendImpl, DDTreeCPUAttentionImpl):
         problems.append(f"backend {type(impl).__qualname__} (only vLLM's CPU_ATTN)")
-    if impl.alibi_slopes is not None:
-        problems.append("ALiBi")
-    if impl.sliding_window not in (None, -1):
-        problems.append("sliding window")
-    if impl.sinks is not None:
-        problems.append("attention sinks")
-    if impl.logits_soft_cap:
-        problems.append("logit soft-capping")
-    if impl.is_fp8_kv_cache:
-        problems.append("fp8 KV cache")
-    if getattr(impl, "kv_sharing_target_layer_name", None):
-        problems.append("KV shared with another layer")
+    if impl.is_fp8_kv_cache and "an fp8 KV cache" not in problems:
+        problems.append("a quantized KV cache")
     isa = getattr(layer, "isa", None)
     if isa not in SUPPORTED_ISAS:
         problems.append(f"CPU attention ISA {isa!r} (verified: {', '.join(SUPPORTED_ISAS)})")
-    if problems:
-        raise NotImplementedError(
-            f"vllm-ddtree: target attention layer {name} is not supported by the CPU tree "
-            f"path: {'; '.join(problems)}. Use method 'dflash' for this model.")
+    refuse_layer(name, problems, "CPU")
 
 
 def install(layers: Mapping[str, Any], verify_context: VerifyContext) -> None:

@@ -28,6 +28,7 @@ from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.cpu.tree_store import ScheduledTree, TreeStore
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.logger import init_logger
+from vllm_ddtree.support import chain_reason
 from vllm_ddtree.tree import build_tree, drop_nonfinite
 
 logger = init_logger(__name__)
@@ -44,26 +45,26 @@ def _falls_back(reason: str) -> bool:
 
 
 def tree_eligible(sampling_metadata: SamplingMetadata,
-                  has_structured_output: bool = False) -> bool:
+                  batch_params: Iterable[Any] = ()) -> bool:
     """True when every request in the batch can be verified as a tree.
 
     Each node's target token is drawn from that node's own distribution (temperature,
-    top-k, top-p, min-p, per-request seeds).  Features whose state depends on the
-    generated prefix or that report per-token values (logprobs, penalties, bad words,
-    allowed-token masks, logit bias, min-tokens, other logits processors, grammars) make
-    the batch fall back (logged once): greedy batches are verified as a linear chain by
-    vLLM's own rejection sampler, sampled batches accept no drafts and draw one token per
-    request with vLLM's sampler (``DDTreeCPUModelRunner._sample_roots``).
+    top-k, top-p, min-p, per-request seeds).  A request whose sampling state reads the
+    draft rows as one history (:func:`vllm_ddtree.support.chain_reason`, checked on
+    ``batch_params``, the batch's ``SamplingParams``), and the features this path does not
+    apply per node (logprobs, allowed-token masks, logit bias, min-tokens, other logits
+    processors) make the whole batch fall back (logged once): greedy batches are
+    verified as a linear chain by vLLM's own rejection sampler, sampled batches accept no
+    drafts and draw one token per request with vLLM's sampler
+    (``DDTreeCPUModelRunner._sample_roots``).
     """
+    for params in batch_params:
+        reason = chain_reason(params)
+        if reason is not None:
+            return _falls_back(reason)
     metadata = sampling_metadata
-    if has_structured_output:
-        return _falls_back("structured output (a grammar)")
     if metadata.max_num_logprobs is not None:
         return _falls_back("logprobs requested")
-    if not metadata.no_penalties:
-        return _falls_back("repetition/presence/frequency penalties")
-    if metadata.bad_words_token_ids:
-        return _falls_back("bad words")
     if metadata.allowed_token_ids_mask is not None:
         return _falls_back("allowed_token_ids")
     for proc in metadata.logitsprocs.all:
@@ -99,12 +100,10 @@ class DDTreeProposer(DFlashProposer):
 
     Its runner hands it, at construction, two callables it reads while proposing:
     ``batch_req_ids()`` (the request ids of the batch, in batch order) and
-    ``has_structured_output()`` (whether any request of the batch is constrained by a
-    grammar).  Per step the runner asks it which tree the scheduled drafts are
-    (:meth:`scheduled_tree`), tells it the finished requests (:meth:`forget`) and, after a
-    tree verify, the accepted paths (:meth:`accept_paths`)."""
-
-    ddtree_proposer = True  # the only DFlashProposer allowed to serve a DDTree config
+    ``batch_params()`` (their ``SamplingParams``).  Per step the runner asks it which
+    tree the scheduled drafts are (:meth:`scheduled_tree`), tells it the finished
+    requests (:meth:`forget`) and, after a tree verify, the accepted paths
+    (:meth:`accept_paths`)."""
 
     def __init__(
         self,
@@ -112,16 +111,16 @@ class DDTreeProposer(DFlashProposer):
         device: torch.device,
         *,
         batch_req_ids: Callable[[], Sequence[str]] | None = None,
-        has_structured_output: Callable[[], bool] | None = None,
+        batch_params: Callable[[], Sequence[Any]] | None = None,
     ) -> None:
         super().__init__(vllm_config, device)
-        if batch_req_ids is None or has_structured_output is None:
+        if batch_req_ids is None or batch_params is None:
             raise TypeError("DDTreeProposer needs its runner's batch_req_ids and "
-                            "has_structured_output")
+                            "batch_params")
         params = ddtree_params(vllm_config.speculative_config)
         self.budget, self.depth = params.budget, params.depth
         self._batch_req_ids = batch_req_ids
-        self._has_structured_output = has_structured_output
+        self._batch_params = batch_params
         self._trees = TreeStore()
         self._accepted_paths: dict[int, AcceptedPath] = {}  # request index -> its path
         self._draft_logits: torch.Tensor | None = None  # [num_reqs * depth, vocab]
@@ -206,7 +205,7 @@ class DDTreeProposer(DFlashProposer):
         num_reqs = chain.shape[0]
         req_ids = list(self._batch_req_ids()[:num_reqs])
         if depth == 0 or self._draft_logits is None or not tree_eligible(
-                sampling_metadata, self._has_structured_output()):
+                sampling_metadata, self._batch_params()):
             self._trees.forget(req_ids)
             return chain
         logits = self._draft_logits.view(num_reqs, depth, -1)

@@ -62,7 +62,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                 "use method 'dflash' for this model.")
         self.drafter = DDTreeProposer(self.vllm_config, self.device,
                                       batch_req_ids=self.batch_req_ids,
-                                      has_structured_output=self.has_structured_output)
+                                      batch_params=self.batch_params)
         # this runner's verify step in flight, read by its target layers' attention
         self._verify_context = VerifyContext()
 
@@ -79,15 +79,10 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         """Request ids of the batch, in batch order."""
         return self.input_batch.req_ids[: self.input_batch.num_reqs]
 
-    def has_structured_output(self) -> bool:
-        """Any request in the batch constrained by a grammar (checked per request: the
-        scheduler's own flag is only set under async scheduling)."""
-        for req_id in self.batch_req_ids():
-            state = self.requests.get(req_id)
-            params = getattr(state, "sampling_params", None)
-            if params is not None and getattr(params, "structured_outputs", None) is not None:
-                return True
-        return False
+    def batch_params(self) -> list[Any]:
+        """The ``SamplingParams`` of the batch's requests, in batch order."""
+        return [getattr(self.requests.get(req_id), "sampling_params", None)
+                for req_id in self.batch_req_ids()]
 
     # -- helpers -----------------------------------------------------------------
     def _target_layer_names(self) -> frozenset[str]:
@@ -125,7 +120,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         drafter = self.drafter
         drafts_of = scheduler_output.scheduled_spec_decode_tokens  # req id -> draft ids
         drafter.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        if not tree_eligible(self.input_batch.sampling_metadata, self.has_structured_output()):
+        if not tree_eligible(self.input_batch.sampling_metadata, self.batch_params()):
             return None
         query_start = self.query_start_loc.np
         req_ids = self.batch_req_ids()

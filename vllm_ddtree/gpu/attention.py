@@ -1,13 +1,13 @@
 """Tree attention for the target model on GPU: vLLM's FlashAttention backend plus the
-project's Triton tree kernel (vLLM ships no tree attention backend any more).
+project's Triton tree kernel (vLLM ships no tree attention backend).
 
-No registry entry: :func:`bind_tree_attention` switches each *target* attention layer,
-per instance, from FlashAttention to these subclasses and binds it to its engine's
-:class:`~vllm_ddtree.gpu.buffers.TreeBuffers`
-(:meth:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator.load_model` calls it).  vLLM later
-builds the metadata builder from the layer's backend, and the builder finds the buffers
-through its layers.  It attaches tree metadata to the target layers' metadata in steps
-that verify trees; drafter layers and every other step run vLLM's code unchanged.
+The speculator switches each *target* attention layer to these subclasses, per instance,
+over its engine's :class:`~vllm_ddtree.gpu.step_rows.StepRows`
+(:func:`vllm_ddtree._patch.target_model.use_tree_attention`, then
+:func:`check_target_layer`); drafter layers keep vLLM's FlashAttention.  vLLM later
+builds the metadata builder from the layer's backend, and the
+builder finds the step rows through its layers.  It attaches tree metadata to the target
+layers' metadata in steps that verify trees; every other step runs vLLM's code unchanged.
 
 Per target layer in a tree step (KV of this step's rows is already in the paged cache):
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends import flash_attn as fa
 from vllm.v1.attention.backends.flash_attn import (
@@ -35,16 +36,20 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+from vllm_ddtree.support import attention_problems, refuse_layer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import AttentionSpec
 
+#: head sizes the tree kernel is compiled and tested for
+HEAD_SIZES = (64, 128, 256)
 
-@dataclass
+
+@dataclass(frozen=True)
 class TreeAttnMeta:
     fused: bool  # FA3 prefix + in-place tree merge (all q_len <= max_rows)
     prefix_lens: torch.Tensor  # [num_reqs] int32 KV length before this step's rows
@@ -53,34 +58,21 @@ class TreeAttnMeta:
     max_rows: int  # verify rows a request may have in this step (at most 1 + budget)
 
 
-def bind_tree_attention(layer_name: str, layer: Any, tree_buffers: TreeBuffers) -> None:
-    """Switch the target attention layer ``layer`` (vLLM's ``Attention``) to tree attention
-    over ``tree_buffers``: per instance, its backend and its impl's class (vLLM builds the
-    metadata builder from ``layer.get_attn_backend()`` later).  Refuses layers whose
-    features the tree kernel does not implement."""
-    if layer.attn_backend is FlashAttentionBackend and type(layer.impl) is FlashAttentionImpl:
-        layer.attn_backend = DDTreeFlashAttentionBackend
-        layer.impl.__class__ = DDTreeFlashAttentionImpl
-        layer.impl.tree_buffers = tree_buffers
-    check_target_layer(layer_name, layer.impl)
-
-
-def bound_tree_buffers(vllm_config: VllmConfig, layer_names: list[str]) -> TreeBuffers:
-    """The buffers :func:`bind_tree_attention` bound to the layers ``layer_names`` (found
-    in vLLM's per-engine ``static_forward_context``)."""
+def step_rows_of_layers(vllm_config: VllmConfig, layer_names: list[str]) -> StepRows:
+    """The step rows the layers ``layer_names`` were switched over (found in vLLM's
+    per-engine ``static_forward_context``)."""
     forward_context = vllm_config.compilation_config.static_forward_context
-    found: dict[int, TreeBuffers] = {}
+    found: dict[int, StepRows] = {}
     for name in layer_names:
-        tree_buffers = getattr(getattr(forward_context.get(name), "impl", None),
-                               "tree_buffers", None)
-        if tree_buffers is not None:
-            found[id(tree_buffers)] = tree_buffers
+        rows = getattr(getattr(forward_context.get(name), "impl", None), "step_rows", None)
+        if rows is not None:
+            found[id(rows)] = rows
     if len(found) != 1:
-        problem = "no DDTree buffers" if not found else "buffers of several engines"
+        problem = "no DDTree step rows" if not found else "the step rows of several engines"
         raise RuntimeError(
             f"vllm-ddtree: the tree attention builder of layers {list(layer_names)} found "
-            f"{problem}; DDTreeSpeculator.load_model binds each target layer "
-            "(vllm_ddtree.gpu.attention.bind_tree_attention) before vLLM builds them.")
+            f"{problem}; DDTreeSpeculator.load_model switches each target layer before "
+            "vLLM builds the builders.")
     return next(iter(found.values()))
 
 
@@ -95,50 +87,45 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._ddtree_buffers = bound_tree_buffers(vllm_config, layer_names)
+        self._step_rows = step_rows_of_layers(vllm_config, layer_names)
         # read once, as vLLM's own builder does for its AOT schedule (a per-step call
         # walks vLLM's platform and config checks on the host)
-        self._ddtree_fa3 = fa.get_flash_attn_version() == 3
+        self._fa3 = fa.get_flash_attn_version() == 3
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashAttentionMetadata:
-        tree_buffers = self._ddtree_buffers
-        if not tree_buffers.step_has_trees:
+        rows = self._step_rows
+        if not rows.has_trees:
             meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
             meta.ddtree = None
             return meta
         common = common_attn_metadata
         num_reqs = common.num_reqs
-        # written for this step's requests by the model state's fill_rows (one launch
-        # with the rows' bits and positions)
-        prefix_lens = tree_buffers.prefix_lens[:num_reqs]
-        max_rows = tree_buffers.max_rows
-        fused = common.max_query_len <= max_rows and self._ddtree_fa3
+        prefix_lens = rows.prefix_lens[:num_reqs]
+        fused = common.max_query_len <= rows.max_rows and self._fa3
         if fused:
             # vLLM's builder then makes FA3's schedule (scheduler_metadata, kept in its
             # persistent buffer under FULL CUDA graphs) for the call forward makes:
-            # non-causal over each request's prefix, no cascade.  Without it FA3 plans
-            # the split inside every layer's call (one more kernel per layer and step).
+            # non-causal over each request's prefix.  Without it FA3 plans the split
+            # inside every layer's call (one more kernel per layer and step).
             meta = super().build(0, common.replace(seq_lens=prefix_lens, causal=False),
                                  fast_build)
-        else:
-            meta = super().build(common_prefix_len, common, fast_build)
-        query_end = None
-        if fused:
             # the step's own width (an adaptive engine's steps are narrower than its
             # largest budget): the kernel's grid and tiling follow it
-            max_rows = tree_buffers.kernel_rows(common.max_query_len)
+            tree = TreeAttnMeta(True, prefix_lens, None, rows.bits,
+                                rows.kernel_rows(common.max_query_len))
         else:
-            query_end = tree_buffers.query_end[:num_reqs]
-        meta.ddtree = TreeAttnMeta(fused, prefix_lens, query_end, tree_buffers.row_bits,
-                                   max_rows)
+            meta = super().build(common_prefix_len, common, fast_build)
+            tree = TreeAttnMeta(False, prefix_lens, rows.query_end[:num_reqs], rows.bits,
+                                rows.max_rows)
+        meta.ddtree = tree
         return meta
 
 
 class DDTreeFlashAttentionImpl(FlashAttentionImpl):
-    # this engine's buffers (set by bind_tree_attention; vLLM creates the impl as a
+    # this engine's step rows (set by use_tree_attention; vLLM creates the impl as a
     # FlashAttentionImpl, so there is no constructor of this class to pass them to)
-    tree_buffers: TreeBuffers
+    step_rows: StepRows
     # whether this layer has compiled the unfused kernel variant (_compile_unfused)
     _ddtree_unfused_ready = False
 
@@ -163,27 +150,30 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         q = query[:num_tokens]
         out = output[:num_tokens]
-        if tree.fused and not self._ddtree_unfused_ready:
-            self._compile_unfused(q, key_cache, value_cache, meta, tree, out)
-        if tree.fused:
-            _, lse = fa.flash_attn_varlen_func(
-                q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=meta.query_start_loc,
-                max_seqlen_q=meta.max_query_len, seqused_k=tree.prefix_lens,
-                max_seqlen_k=meta.max_seq_len, softmax_scale=self.scale, causal=False,
-                block_table=meta.block_table, return_softmax_lse=True,
-                scheduler_metadata=meta.scheduler_metadata,
-                fa_version=self.vllm_flash_attn_version, num_splits=meta.max_num_splits)
-            tree_attention_triton(q, key_cache, value_cache, meta.block_table,
-                                  meta.query_start_loc, tree.prefix_lens, tree.row_bits,
-                                  self.scale, include_prefix=False, max_rows=tree.max_rows,
-                                  out=out, prefix_out_lse=lse, return_lse=False)
-        else:
+        if not tree.fused:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
             tree_attention_triton(q, key_cache, value_cache, meta.block_table,
                                   meta.query_start_loc, tree.prefix_lens, tree.row_bits,
                                   self.scale, include_prefix=True, max_rows=tree.max_rows,
                                   query_end=tree.query_end, out=out, return_lse=False)
+            return output
+        if not self._ddtree_unfused_ready:
+            self._compile_unfused(q, key_cache, value_cache, meta, tree, out)
+        # FA3 reads the caches through TMA, which needs 16-byte strides on size-1 dims
+        # (one KV head per rank), as vLLM's own forward arranges
+        _, lse = fa.flash_attn_varlen_func(
+            q=q, k=canonicalize_singleton_dim_strides(key_cache),
+            v=canonicalize_singleton_dim_strides(value_cache), out=out,
+            cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+            seqused_k=tree.prefix_lens, max_seqlen_k=meta.max_seq_len,
+            softmax_scale=self.scale, causal=False, block_table=meta.block_table,
+            return_softmax_lse=True, scheduler_metadata=meta.scheduler_metadata,
+            fa_version=self.vllm_flash_attn_version, num_splits=meta.max_num_splits)
+        tree_attention_triton(q, key_cache, value_cache, meta.block_table,
+                              meta.query_start_loc, tree.prefix_lens, tree.row_bits,
+                              self.scale, include_prefix=False, max_rows=tree.max_rows,
+                              out=out, prefix_out_lse=lse, return_lse=False)
         return output
 
     def _compile_unfused(
@@ -196,19 +186,18 @@ class DDTreeFlashAttentionImpl(FlashAttentionImpl):
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
     ) -> None:
         """Compile the kernel variant of steps that mix a prefill with trees.  vLLM's
-        warm-up and capture passes only run uniform tree steps (the fused variant), so
-        the first mixed step would compile it mid-serving: a stall of ~0.3 s.  Done in
-        the first uncaptured tree step (vLLM's warm-up pass before capture) with the
-        step's own tensors (Triton specializes on their alignment and strides) and every
-        request's row range empty (``query_end = query_start``): the launch writes
-        nothing."""
+        warm-up and capture passes run uniform tree steps (the fused variant), so the
+        first mixed step would compile it mid-serving.  Done in the first uncaptured
+        tree step with the step's own tensors (Triton specializes on their alignment and
+        strides) and every request's row range empty (``query_end = query_start``): the
+        launch writes nothing."""
         if torch.cuda.is_current_stream_capturing():
             return  # a launch here would be recorded into the graph
         num_reqs = meta.block_table.shape[0]
         tree_attention_triton(q, key_cache, value_cache, meta.block_table,
                               meta.query_start_loc, tree.prefix_lens, tree.row_bits,
                               self.scale, include_prefix=True,
-                              max_rows=self.tree_buffers.max_rows,  # as mixed steps pass it
+                              max_rows=self.step_rows.max_rows,  # as mixed steps pass it
                               query_end=meta.query_start_loc[:num_reqs], out=out,
                               return_lse=False)
         self._ddtree_unfused_ready = True
@@ -225,24 +214,12 @@ class DDTreeFlashAttentionBackend(FlashAttentionBackend):
 
 
 def check_target_layer(layer_name: str, impl: Any) -> None:
-    """Refuse target attention features the tree kernel does not implement."""
-    problems = []
+    """Refuse target attention features the tree attention does not implement: those no
+    tree verify supports, and this path's own (vLLM's FlashAttention, the kernel's head
+    sizes)."""
+    problems = attention_problems(impl)
     if not isinstance(impl, DDTreeFlashAttentionImpl):
         problems.append(f"attention backend {type(impl).__name__} (DDTree needs FLASH_ATTN)")
-    else:
-        if tuple(impl.sliding_window) != (-1, -1):
-            problems.append("sliding-window attention")
-        if impl.alibi_slopes is not None:
-            problems.append("ALiBi")
-        if impl.logits_soft_cap:
-            problems.append("logit soft-capping")
-        if impl.sinks is not None:
-            problems.append("attention sinks")
-        if str(impl.kv_cache_dtype).startswith("fp8"):
-            problems.append("an fp8 KV cache")
-        if impl.head_size not in (64, 128, 256):
-            problems.append(f"head size {impl.head_size}")
-    if problems:
-        raise NotImplementedError(
-            f"vllm-ddtree: target layer {layer_name} uses {', '.join(problems)}, which the "
-            "tree attention does not support yet; use method 'dflash' for this model.")
+    elif impl.head_size not in HEAD_SIZES:
+        problems.append(f"head size {impl.head_size}")
+    refuse_layer(layer_name, problems, "GPU")

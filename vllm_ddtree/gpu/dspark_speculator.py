@@ -12,8 +12,8 @@ Layout (vLLM's dense DSpark layout, "anchor-as-first"): each request's drafter p
 has ``D`` query slots, the anchor (the request's last committed token, the tree's root)
 and ``D - 1`` noise tokens; slot ``k`` predicts depth ``k + 1``.  vLLM's DFlash input
 kernel lays the ``D`` sample rows out ``budget`` per request, as for the DFlash tree.
-Checkpoints with the ``1 + N`` fill-in block (``dspark_bonus_anchor``) are refused by
-:func:`vllm_ddtree.config.check_drafter`.
+Checkpoints with the ``1 + N`` fill-in block (``sample_from_anchor: false``) are refused
+when the config is validated.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
         if not self.sample_from_anchor:  # refused at config time; a guard for other paths
             raise ValueError("vllm-ddtree: DSpark drafters with the 1 + N fill-in block "
                              "are not supported")
-        # DSpark sized these for B query slots; the tree's drafter pass has D
+        # vLLM's DSpark sized these for B query slots; the tree's drafter pass has D
         self.num_query_per_req = self.max_depth
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64,
                                         device=device) * self.num_query_per_req

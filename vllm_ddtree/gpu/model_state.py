@@ -1,19 +1,20 @@
-"""Target-side DDTree hooks for vLLM's Model Runner V2, through its ModelState
-interface.  :func:`bind_model_state` (called by
-:meth:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator.load_model`) makes the target model
-return this class from ``get_model_state_cls`` and carry its engine's
-:class:`~vllm_ddtree.gpu.buffers.TreeBuffers`; vLLM then builds the model state as
-``cls(vllm_config, model, encoder_cache, device)`` with that same model.
+"""Target-side DDTree hooks for vLLM's Model Runner V2, through its ModelState interface.
 
-* ``prepare_attn``: every verify row's ancestor bits and RoPE position
-  (root + depth) and every request's prefix length go to persistent buffers (one
-  launch); KV slots stay linear (vLLM computed them); metadata is built for the
-  target's attention groups only;
+The engine's speculator binds its
+:class:`~vllm_ddtree.gpu.target_binding.TargetBinding` to the target model at load time
+(:func:`vllm_ddtree._patch.target_model.bind_model_state`); vLLM then builds the model
+state as ``DDTreeModelState(vllm_config, model, encoder_cache, device)`` with that same
+model.
+
+* ``prepare_attn``: the step's verify rows (every row's ancestor bits and RoPE position,
+  every request's prefix length) in one launch (:meth:`TreeStates.fill_rows`); KV slots
+  stay linear (vLLM computed them); metadata is built for the target's attention groups
+  only;
 * ``prepare_inputs`` / ``prepare_dummy_inputs``: RoPE reads the tree positions (one
   persistent buffer, so FULL CUDA graphs replay with the current step's values);
 * ``custom_sampler``: the verifier (:class:`~vllm_ddtree.gpu.verifier.DDTreeVerifier`);
-* ``add_request``: requests whose sampling features need a linear history are
-  verified as a chain (logged once per reason); the slot's previous tree is cleared.
+* ``add_request``: the slot's previous tree is dropped, and requests whose sampling
+  features read a linear history are verified as a chain (logged once per reason).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from vllm_ddtree.gpu.buffers import TreeBuffers, needs_chain
+from vllm_ddtree._patch.target_model import bound_state
+from vllm_ddtree.gpu.target_binding import TargetBinding
 from vllm_ddtree.logger import init_logger
+from vllm_ddtree.support import chain_reason
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -40,33 +43,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# vLLM's kernel warm-up requests (``v1/worker/gpu/warmup.py``: ids ``_warmup_{i}_`` with
-# ``SamplingParams.for_sampler_warmup()``, penalties included; 0.26 and 0.32 checked):
-# verified as a chain like any other, but not logged, so the one-time warning is left for
-# the first real request that needs it.
+# vLLM's sampler warm-up requests (``v1/worker/gpu/warmup.py``: ids ``_warmup_{i}_`` with
+# ``SamplingParams.for_sampler_warmup()``, penalties included): verified as a chain like
+# any other, but not logged, so the one-time warning is left for the first real request
+# that needs it.
 _WARMUP_PREFIX = "_warmup_"
-# the target model's attribute that carries its engine's TreeBuffers to the model state
-_TREE_BUFFERS_ATTR = "ddtree_tree_buffers"
-
-
-def bind_model_state(target_model: nn.Module, tree_buffers: TreeBuffers) -> None:
-    """Make vLLM build ``target_model``'s ModelState as :class:`DDTreeModelState` over
-    ``tree_buffers`` (vLLM's ``init_model_state`` reads ``get_model_state_cls`` and
-    passes the model to the constructor)."""
-    setattr(target_model, _TREE_BUFFERS_ATTR, tree_buffers)
-    target_model.get_model_state_cls = lambda: DDTreeModelState
-
-
-def bound_tree_buffers(target_model: nn.Module) -> TreeBuffers:
-    """The buffers :func:`bind_model_state` attached to ``target_model``."""
-    tree_buffers = getattr(target_model, _TREE_BUFFERS_ATTR, None)
-    if not isinstance(tree_buffers, TreeBuffers):
-        raise RuntimeError(
-            f"vllm-ddtree: DDTreeModelState built for a {type(target_model).__name__} that "
-            "carries no DDTree buffers; DDTreeSpeculator.load_model binds them "
-            "(vllm_ddtree.gpu.model_state.bind_model_state) before vLLM builds the model "
-            "state.")
-    return tree_buffers
 
 
 class DDTreeModelState(DefaultModelState):
@@ -77,37 +58,31 @@ class DDTreeModelState(DefaultModelState):
             raise NotImplementedError(
                 "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
                 "supported yet; use method 'dflash' for this model.")
-        self.tree_buffers = bound_tree_buffers(model)
+        self.binding: TargetBinding = bound_state(model)
+        # engine-wide logits processors read each row's history as linear, so every
+        # request is verified as a chain
+        self._engine_chain = ("custom logits processors (model_config.logits_processors)"
+                              if vllm_config.model_config.logits_processors else None)
         # (vLLM's attention groups, the target's groups among them): see prepare_attn
         self._target_groups: tuple[list, list] | None = None
-        # vLLM 0.32+ loads engine-wide logits processors into the sampler; they read each
-        # row's history as linear, so every request is verified as a chain
-        self._engine_chain = ("custom logits processors (model_config.logits_processors)"
-                              if getattr(vllm_config.model_config, "logits_processors", None)
-                              else None)
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         super().add_request(req_index, new_req_data)
-        # the slot's previous request left its tree here; a placeholder-draft step before
-        # this request's first tree must accept nothing (no host sync: a device fill)
-        self.tree_buffers.walk_tokens[req_index].fill_(-1)
-        reason = self._engine_chain or needs_chain(getattr(new_req_data, "sampling_params",
-                                                           None))
-        self.tree_buffers.chain_flag[req_index] = reason is not None
-        if (reason is not None
-                and not str(getattr(new_req_data, "req_id", "")).startswith(_WARMUP_PREFIX)):
+        reason = self._engine_chain or chain_reason(new_req_data.sampling_params)
+        self.binding.trees.add_request(req_index, reason is not None)
+        if reason is not None and not new_req_data.req_id.startswith(_WARMUP_PREFIX):
             logger.warning_once(
                 "vllm-ddtree: requests with %s are verified as a linear chain (the "
                 "drafter's top-1 path): exact, fewer accepted tokens; logged once.", reason)
 
     def prepare_inputs(self, input_batch: InputBatch,
                        req_states: RequestState) -> dict[str, torch.Tensor | None]:
-        return {"positions": self.tree_buffers.row_positions[
+        return {"positions": self.binding.rows.positions[
             : input_batch.num_tokens_after_padding]}
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
         inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)
-        inputs["positions"] = self.tree_buffers.row_positions[:num_tokens]
+        inputs["positions"] = self.binding.rows.positions[:num_tokens]
         return inputs
 
     def prepare_attn(
@@ -119,18 +94,18 @@ class DDTreeModelState(DefaultModelState):
         attn_groups: list[list[AttentionGroup]],
         kv_cache_config: KVCacheConfig,
         for_capture: bool = False,
-        **kwargs: Any,  # vLLM 0.32+: ubatch_idx
+        ubatch_idx: int = 0,
+        model_specific_attn_metadata: Any = None,
     ) -> dict[str, Any]:
-        tree_buffers = self.tree_buffers
-        tree_buffers.fill_rows(input_batch.query_start_loc, input_batch.cu_num_logits,
-                               input_batch.idx_mapping, input_batch.positions,
-                               input_batch.seq_lens, input_batch.num_reqs,
-                               input_batch.num_reqs_after_padding,
-                               input_batch.num_tokens_after_padding)
-        tree_buffers.step_has_trees = bool(for_capture or input_batch.num_draft_tokens > 0)
+        self.binding.trees.fill_rows(
+            self.binding.rows, input_batch.query_start_loc, input_batch.cu_num_logits,
+            input_batch.idx_mapping, input_batch.positions, input_batch.seq_lens,
+            input_batch.num_reqs, input_batch.num_reqs_after_padding,
+            input_batch.num_tokens_after_padding,
+            has_trees=for_capture or input_batch.num_draft_tokens > 0)
         return super().prepare_attn(input_batch, cudagraph_mode, block_tables, slot_mappings,
                                     self._target_attn_groups(attn_groups), kv_cache_config,
-                                    for_capture=for_capture, **kwargs)
+                                    for_capture, ubatch_idx, model_specific_attn_metadata)
 
     def _target_attn_groups(
         self, attn_groups: list[list[AttentionGroup]]
@@ -139,8 +114,8 @@ class DDTreeModelState(DefaultModelState):
         drafter's layers share the target's KV-cache groups but not its backend (they
         keep vLLM's FlashAttention), so vLLM gives them attention groups of their own;
         the target step would build their metadata and never read it (the drafter
-        builds its own in ``propose``): one metadata build per step for nothing.
-        Filtered once per list of groups (vLLM keeps one for the runner's life)."""
+        builds its own in ``propose``).  Filtered once per list of groups (vLLM keeps
+        one for the runner's life)."""
         cached = self._target_groups
         if cached is None or cached[0] is not attn_groups:
             from vllm_ddtree.gpu.attention import DDTreeFlashAttentionBackend
@@ -153,5 +128,4 @@ class DDTreeModelState(DefaultModelState):
     def custom_sampler(self, sampler: Any) -> tuple[Any, DDTreeVerifier]:
         from vllm_ddtree.gpu.verifier import DDTreeVerifier
 
-        return sampler, DDTreeVerifier(sampler, self.vllm_config, self.tree_buffers,
-                                       self.device)
+        return sampler, DDTreeVerifier(sampler, self.vllm_config, self.binding, self.device)

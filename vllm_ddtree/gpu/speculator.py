@@ -1,14 +1,14 @@
 """DDTree speculator for vLLM's Model Runner V2 (GPU): vLLM's DFlash speculator with a
 tree instead of a chain.
 
-Subclass of ``DFlashSpeculator``; it owns its engine's :class:`TreeBuffers` and extends
-five of its methods:
+Subclass of ``DFlashSpeculator`` (named by
+:class:`~vllm_ddtree.gpu.speculator_config.DDTreeSpeculatorConfig`); it owns its engine's
+:class:`~vllm_ddtree.gpu.tree_state.TreeStates` and
+:class:`~vllm_ddtree.gpu.step_rows.StepRows` and extends four of its methods:
 
 * ``__init__``: the drafter pass keeps ``1 + D`` query rows per request while the
   scheduler sees ``B`` draft tokens (``num_speculative_tokens = B``);
-* ``init_cudagraph_manager``: the drafter's graphs are captured for that one width even
-  when the budget varies per batch size (``ddtree_adaptive_budget``);
-* ``load_model``: hands the buffers to the rest of this runner's DDTree pieces, through
+* ``load_model``: hands its state to the rest of this runner's DDTree pieces through
   vLLM's per-runner objects: the target model (vLLM builds the target's ModelState from
   it, which builds the verifier) and the target's attention layers (vLLM builds the
   attention metadata builders from them);
@@ -17,30 +17,43 @@ five of its methods:
   tree metadata;
 * ``propose``: before the drafter pass, compact the target KV of the accepted path and
   move the accepted rows' hidden states first (stock DFlash then treats them as the
-  first ``k + 1`` verify rows); after it, chain fallbacks and the scatter of the
-  tree metadata to request states.
+  first ``k + 1`` verify rows); after it, chain fallbacks and the commit of the trees to
+  their request states.
+
+The verifier hands the accepted paths back through :meth:`accept` (called once per
+verify step, before the ``propose`` of the same step reads them).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree._patch.target_model import bind_model_state, use_tree_attention
 from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
-from vllm_ddtree.gpu.buffers import Accepted, TreeBuffers
-from vllm_ddtree.gpu.verify_rows import KVCompactor, hidden_row_perm
+from vllm_ddtree.gpu.attention import (
+    DDTreeFlashAttentionBackend,
+    DDTreeFlashAttentionImpl,
+    check_target_layer,
+)
+from vllm_ddtree.gpu.compaction import KVCompactor, hidden_row_perm
+from vllm_ddtree.gpu.model_state import DDTreeModelState
+from vllm_ddtree.gpu.step_rows import StepRows
+from vllm_ddtree.gpu.target_binding import TargetBinding
+from vllm_ddtree.gpu.tree_state import TreeStates
+from vllm_ddtree.gpu.walk import Accepted
 from vllm_ddtree.logger import init_logger
 from vllm_ddtree.tree import DraftTree, build_tree
 
 if TYPE_CHECKING:
     import torch.nn as nn
     from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.dp_utils import DPSyncState
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = init_logger(__name__)
@@ -51,19 +64,20 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        self.budget, self.max_depth = ddtree_params(self.speculative_config)
+        params = ddtree_params(self.speculative_config)
+        self.budget, self.max_depth = params.budget, params.depth
         if self.num_speculative_steps != self.budget:
             raise ValueError("vllm-ddtree: num_speculative_tokens must equal the tree budget")
-        if self.draft_logits is not None:
+        if self.use_draft_logits:
             raise ValueError("vllm-ddtree: draft_sample_method='probabilistic' is not "
                              "supported (the tree is built from the drafter's marginals)")
         self.num_query_per_req = 1 + self.max_depth  # bonus + D mask tokens
-        # this engine's tree state; load_model hands it to the model state, verifier and
-        # tree attention of the same runner
         schedule = self.speculative_config.num_speculative_tokens_per_batch_size or ()
-        self.tree_buffers = TreeBuffers(self.max_num_reqs, self.max_num_tokens, self.budget,
-                                        self.max_depth, device,
-                                        step_budgets=[b for _, _, b in schedule])
+        self.trees = TreeStates(self.max_num_reqs, self.budget, self.max_depth, device)
+        self.step_rows = StepRows(self.max_num_reqs, self.max_num_tokens, self.budget, device,
+                                  step_budgets=[b for _, _, b in schedule])
+        # the verifier's accepted paths, read once by the next propose
+        self._accepted: Accepted | None = None
         self._compactors: list[tuple[str, KVCompactor]] | None = None
         # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
         # copy into pinned memory, read one step later (no sync)
@@ -73,43 +87,27 @@ class DDTreeSpeculator(DFlashSpeculator):
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
 
-    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        """vLLM's graph manager reads a per-batch-size schedule as "this pass has
-        ``1 + budget`` query rows per request" (true of the DFlash chain).  The DDTree
-        drafter pass has ``1 + D`` rows whatever the budget: vLLM 0.26 derived negative
-        widths from the schedule (``1 + D - B + b``) and failed its capture assertion;
-        0.32+ skip the schedule only when ``1 + D <= B``.  Hide it while the manager
-        is built, so the drafter's graphs are the ``1 + D`` ones for every version."""
-        spec = self.vllm_config.speculative_config
-        schedule = spec.num_speculative_tokens_per_batch_size
-        spec.num_speculative_tokens_per_batch_size = None
-        try:
-            super().init_cudagraph_manager(cudagraph_mode)
-        finally:
-            spec.num_speculative_tokens_per_batch_size = schedule
+    def accept(self, accepted: Accepted) -> None:
+        """The verifier's walk of this step (see the module docstring)."""
+        self._accepted = accepted
 
     # -- load --------------------------------------------------------------------------
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)
-        from vllm_ddtree.gpu.model_state import bind_model_state
-
-        self._install_tree_attention()
-        # vLLM builds the target's ModelState from target_model after this call
-        bind_model_state(target_model, self.tree_buffers)
-
-    def _install_tree_attention(self) -> None:
-        """Target attention layers: FlashAttention -> its tree-aware subclasses over this
-        engine's buffers (per instance; vLLM builds metadata builders from each layer's
-        backend later, and they find the buffers through their layers)."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
-        from vllm_ddtree.gpu.attention import bind_tree_attention
-
+        # vLLM builds the metadata builders from each layer's backend later, and they
+        # find the step rows through their layers
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         for name, layer in layers.items():
             if name not in self.draft_attn_layer_names:
-                bind_tree_attention(name, layer, self.tree_buffers)
+                use_tree_attention(layer, DDTreeFlashAttentionBackend,
+                                   DDTreeFlashAttentionImpl, self.step_rows)
+                check_target_layer(name, layer.impl)
+        # vLLM builds the target's ModelState from target_model after this call
+        bind_model_state(target_model, DDTreeModelState,
+                         TargetBinding(self.trees, self.step_rows, self.accept))
 
     # -- drafter pass (inside vLLM's FULL CUDA graph) ------------------------------------
     def _generate_draft(
@@ -125,7 +123,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                         num_tokens_across_dp, cudagraph_runtime_mode)
         tree, draft_logits = self._draft_tree(hidden_states, num_reqs)
-        bad = self.tree_buffers.store_batch(tree, draft_logits, self.draft_tokens)
+        bad = self.trees.store_batch(tree, draft_logits, self.draft_tokens)
         if self.online is not None:  # an emptied tree expects nothing
             self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
 
@@ -159,20 +157,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_sampled: torch.Tensor,
         # [num_reqs]
         num_rejected: torch.Tensor,
-        # the rest as the installed vLLM's DFlashSpeculator.propose takes them
-        *args: Any,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        dummy = kwargs.get("dummy_run", False)
-        # vLLM 0.33 skips the drafter's query pass in steps that need no drafts
-        # (num_speculative_tokens=0): no new trees, so nothing to commit or publish
-        skip = kwargs.get("num_speculative_tokens") == 0
-        tree_buffers = self.tree_buffers
-        accepted = tree_buffers.take_accepted()
-        if accepted is not None and not dummy:
+        # [max_num_reqs]
+        last_sampled: torch.Tensor,
+        # [num_prefill_lookahead, max_num_reqs]
+        next_prefill_tokens: torch.Tensor,
+        # [max_num_reqs]
+        temperature: torch.Tensor,
+        # [max_num_reqs]
+        seeds: torch.Tensor,
+        dp_sync_state: DPSyncState | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+        num_speculative_tokens: int | None = None,
+    ) -> torch.Tensor:  # [num_reqs, budget]
+        accepted, self._accepted = self._accepted, None
+        if accepted is not None and not dummy_run:
             self._compact(accepted, input_batch, slot_mappings)
-            num_rows = aux_hidden_states[0].shape[0] if aux_hidden_states else \
-                last_hidden_states.shape[0]
+            num_rows = (aux_hidden_states[0] if aux_hidden_states else
+                        last_hidden_states).shape[0]
             # [num_rows]: hidden-state row that moves to each row (accepted path first)
             perm = hidden_row_perm(input_batch.logits_indices, accepted.src_logit_row,
                                    num_rows, self.max_num_tokens)
@@ -180,21 +184,24 @@ class DDTreeSpeculator(DFlashSpeculator):
                 aux_hidden_states = [torch.cat(aux_hidden_states, dim=-1)[perm]]
             else:
                 last_hidden_states = last_hidden_states[perm]
-        out = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                              aux_hidden_states, num_sampled, num_rejected, *args, **kwargs)
-        if dummy:  # warm-up/capture inputs are not a drafter failure
-            tree_buffers.num_nonfinite.zero_()
-        elif not skip:
+        out = super().propose(
+            input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+            num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+            dp_sync_state=dp_sync_state, dummy_run=dummy_run,
+            skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
+            is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
+        if dummy_run:  # warm-up/capture inputs are not a drafter failure
+            self.trees.num_nonfinite.zero_()
+        elif num_speculative_tokens != 0:  # 0: vLLM skipped the drafter's query pass
             self._report_nonfinite()
             num_reqs = input_batch.num_reqs
-            chain_rows = np.flatnonzero(
-                tree_buffers.chain_flag[input_batch.idx_mapping_np[:num_reqs]])
+            chain_rows = self.trees.chain_rows(input_batch.idx_mapping_np[:num_reqs])
             if chain_rows.size:  # host flags only: no device read
                 # pinned + non_blocking: an asynchronous copy (pageable memory would sync)
-                rows = torch.from_numpy(chain_rows.astype(np.int64)).pin_memory().to(
-                    self.device, non_blocking=True)
-                tree_buffers.apply_chain_fallback(rows, self.draft_tokens)
-            tree_buffers.commit(input_batch.idx_mapping, num_reqs)
+                rows = torch.from_numpy(chain_rows).pin_memory().to(self.device,
+                                                                    non_blocking=True)
+                self.trees.apply_chain_fallback(rows, self.draft_tokens)
+            self.trees.commit(input_batch.idx_mapping, num_reqs)
             if self.online is not None:
                 self.online.publish(num_reqs)
         return out
@@ -202,9 +209,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     def _report_nonfinite(self) -> None:
         # written by an earlier step's async copy; a numpy read (indexing the tensor
         # would make a tensor per step)
-        seen = int(self._nonfinite_seen[0])
-        self._nonfinite_log.report(seen)
-        self._nonfinite_host.copy_(self.tree_buffers.num_nonfinite, non_blocking=True)
+        self._nonfinite_log.report(int(self._nonfinite_seen[0]))
+        self._nonfinite_host.copy_(self.trees.num_nonfinite, non_blocking=True)
 
     def _compact(self, accepted: Accepted, input_batch: InputBatch,
                  slot_mappings: dict[str, torch.Tensor]) -> None:
@@ -212,11 +218,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         target attention layer (grouped by slot mapping = KV-cache group)."""
         if self._compactors is None:
             self._compactors = self._make_compactors(slot_mappings)
-        logits_indices = input_batch.logits_indices
-        cu_num_logits = input_batch.cu_num_logits
         for layer_name, compactor in self._compactors:
-            compactor(slot_mappings[layer_name], logits_indices, cu_num_logits,
-                      accepted.path, accepted.num_accepted, accepted.num_reqs)
+            compactor(slot_mappings[layer_name], input_batch.logits_indices,
+                      input_batch.cu_num_logits, accepted.path, accepted.num_accepted,
+                      accepted.num_reqs)
 
     def _make_compactors(
         self, slot_mappings: dict[str, torch.Tensor]
@@ -227,16 +232,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
         groups: dict[int, list[str]] = {}
         for name in layers:
-            if name in self.draft_attn_layer_names:
-                continue
-            groups.setdefault(id(slot_mappings[name]), []).append(name)
+            if name not in self.draft_attn_layer_names:
+                groups.setdefault(id(slot_mappings[name]), []).append(name)
         compactors = []
         for names in groups.values():
-            caches = []
-            for name in names:
-                kv_cache = layers[name].kv_cache
-                kv_cache = kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
-                caches.append(kv_cache.transpose(1, 2))  # [blocks, block_size, heads, 2*hd]
+            # [blocks, block_size, heads, 2 * head_size] views of each layer's cache
+            caches = [layers[name].kv_cache.transpose(1, 2) for name in names]
             compactors.append((names[0], KVCompactor(caches)))
         logger.info("vllm-ddtree: KV compaction over %d target layers in %d group(s)",
                     sum(len(n) for n in groups.values()), len(groups))

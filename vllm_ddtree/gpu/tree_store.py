@@ -18,14 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton, use_triton
 from vllm_ddtree.tree import DraftTree, drop_nonfinite, tree_layout
-
-
-def _use_triton(impl: str, tensor: torch.Tensor) -> bool:
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"store_trees: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    return impl == "triton" or (impl == "auto" and HAS_TRITON and tensor.is_cuda)
 
 
 def _check_shapes(
@@ -161,7 +155,6 @@ def store_trees(
     out_depths: torch.Tensor,  # [>=R, W] int64, W = B + 1
     out_bits: torch.Tensor,  # [>=R, W, NW] int32, NW = ceil(W / 32)
     out_chain: torch.Tensor,  # [>=R, D] int64
-    impl: str = "auto",  # "triton", "torch" (the reference) or "auto" (Triton on CUDA tensors)
 ) -> None:
     """Write rows ``0..R`` of the outputs (later rows are untouched):
 
@@ -173,16 +166,33 @@ def store_trees(
     * ``out_chain = top1``, -1 in bad requests.
 
     Nodes must be best-first (a node's parent row comes before it).  Graph-capturable:
-    no host sync, no allocation on the Triton path.  The inputs are not modified.
+    no host sync, no allocation on the GPU.  The inputs are not modified.
     """
     outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
     _check_shapes(token_ids, parents, depths, bad, top1, outs)
+    if token_ids.shape[0] == 0:
+        return
+    store = store_trees_triton if use_triton(token_ids) else store_trees_torch
+    store(token_ids, parents, depths, bad, top1, *outs)
+
+
+def store_trees_triton(
+    token_ids: torch.Tensor,  # [R, B] int64 tree node tokens, -1 in unused slots
+    parents: torch.Tensor,  # [R, B] int64 parent verify row (0 = root, k+1 = node k), -1 unused
+    depths: torch.Tensor,  # [R, B] int64 node depth 1..D, 0 unused
+    bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
+    top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
+    out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
+    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
+    out_parents: torch.Tensor,  # [>=R, B] int64
+    out_depths: torch.Tensor,  # [>=R, W] int64, W = B + 1
+    out_bits: torch.Tensor,  # [>=R, W, NW] int32, NW = ceil(W / 32)
+    out_chain: torch.Tensor,  # [>=R, D] int64
+) -> None:
+    """The Triton launcher of :func:`store_trees`: one program per request."""
+    outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
     R, B = token_ids.shape
     D = top1.shape[1]
-    if R == 0:
-        return
-    if not _use_triton(impl, token_ids):
-        return store_trees_torch(token_ids, parents, depths, bad, top1, *outs)
     for t in (token_ids, parents, depths, *outs):  # top1 may be strided (a view)
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError("store_trees: the last dim of every tensor must be contiguous")

@@ -29,8 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_ddtree.gpu.verify_rows import use_triton
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 NO_CHILD = -3  # a row's choice when its uniform fell past every child's probability
 
@@ -191,16 +190,31 @@ def choose_children(
     walk_tokens: torch.Tensor,  # [S, B] int64 node tokens by state (-1: never accepted)
     parents: torch.Tensor,  # [S, B] int64 node parents (verify rows) by state
     uniforms: torch.Tensor | None = None,  # [N] float32; None: keyed draws (module doc)
-    impl: str = "auto",
 ) -> torch.Tensor:  # [N] int64 the argmax, a child's token, or NO_CHILD
-    """Each row's choice (module docstring): two launches, no host sync.  The torch path
-    (``impl="torch"``, or off CUDA without Triton) needs ``uniforms``."""
+    """Each row's choice (module docstring), no host sync.  Off the GPU the torch
+    reference runs, which needs ``uniforms``."""
+    if use_triton(logits):
+        return choose_children_triton(logits, states, local, positions, temperature, seeds,
+                                      walk_tokens, parents, uniforms)
+    if uniforms is None:
+        raise ValueError("choose_children: the torch reference needs uniforms")
+    return choose_children_torch(logits, states, local, temperature, walk_tokens, parents,
+                                 uniforms)
+
+
+def choose_children_triton(
+    logits: torch.Tensor,  # [N, V] processed logits (temperature, top-k/p applied)
+    states: torch.Tensor,  # [N] int32 request state of each row (expanded_idx_mapping)
+    local: torch.Tensor,  # [N] int32 row index within its request (expanded_local_pos)
+    positions: torch.Tensor,  # [N] int64 each row's position (the noise key)
+    temperature: torch.Tensor,  # [S] float32 by request state
+    seeds: torch.Tensor,  # [S] int64 by request state
+    walk_tokens: torch.Tensor,  # [S, B] int64 node tokens by state (-1: never accepted)
+    parents: torch.Tensor,  # [S, B] int64 node parents (verify rows) by state
+    uniforms: torch.Tensor | None = None,  # [N] float32; None: keyed draws (module doc)
+) -> torch.Tensor:  # [N] int64
+    """The Triton launcher of :func:`choose_children`: two launches."""
     N, V = logits.shape
-    if not use_triton(impl, logits):
-        if uniforms is None:
-            raise ValueError("choose_children: the torch path needs uniforms")
-        return choose_children_torch(logits, states, local, temperature, walk_tokens,
-                                     parents, uniforms)
     out = torch.empty(N, dtype=torch.int64, device=logits.device)
     if N == 0:
         return out
@@ -233,21 +247,33 @@ def draw_stop_tokens(
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
     draw: DrawRows,
-    impl: str = "auto",
 ) -> None:
     """Where a walk stopped on :data:`NO_CHILD`, its emitted token (``sampled[r,
     num_accepted - 1]``) becomes a draw from the stop row's distribution without that
-    row's children.  One full-vocabulary draw per request, no host sync.  ``impl``:
-    torch (about twenty small launches around the draw), ``"triton"`` (two; the same
-    rows, draw and tokens) or ``"auto"`` (Triton on CUDA)."""
+    row's children.  One full-vocabulary draw per request, no host sync: on the GPU
+    two launches around the draw, the torch reference about twenty."""
+    if idx_mapping.shape[0] == 0:
+        return
+    stop = draw_stop_tokens_triton if use_triton(processed) else draw_stop_tokens_torch
+    stop(processed, choices, sampled, path, num_accepted, cu_num_logits, idx_mapping,
+         positions, walk_tokens, parents, draw)
+
+
+def draw_stop_tokens_torch(
+    processed: torch.Tensor,  # [N, V] the rows' processed logits
+    choices: torch.Tensor,  # [N] int64 choose_children's result
+    sampled: torch.Tensor,  # [R, 1 + B] int64 the walk's tokens, updated in place
+    path: torch.Tensor,  # [R, D + 1] int64 accepted verify rows
+    num_accepted: torch.Tensor,  # [R] int64 (root included)
+    cu_num_logits: torch.Tensor,  # [R + 1] int32
+    idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
+    positions: torch.Tensor,  # [N] int64 each row's position
+    walk_tokens: torch.Tensor,  # [S, B] int64
+    parents: torch.Tensor,  # [S, B] int64
+    draw: DrawRows,
+) -> None:
+    """Reference of :func:`draw_stop_tokens`."""
     R = idx_mapping.shape[0]
-    if R == 0:
-        return
-    if use_triton(impl, processed):
-        _draw_stop_tokens_triton(processed, choices, sampled, path, num_accepted,
-                                 cu_num_logits, idx_mapping, positions, walk_tokens,
-                                 parents, draw)
-        return
     last = (num_accepted - 1).unsqueeze(1)  # [R, 1]
     stop_local = path.gather(1, last)  # [R, 1] verify row the walk stopped at
     stop_row = cu_num_logits[:R].long() + stop_local.squeeze(1)  # [R]
@@ -265,20 +291,20 @@ def draw_stop_tokens(
     sampled.scatter_(1, last, torch.where(need, drawn, emitted).unsqueeze(1))
 
 
-def _draw_stop_tokens_triton(
-    processed: torch.Tensor,  # [N, V]
-    choices: torch.Tensor,  # [N] int64
-    sampled: torch.Tensor,  # [R, 1 + B] int64, updated in place
-    path: torch.Tensor,  # [R, D + 1] int64
-    num_accepted: torch.Tensor,  # [R] int64
+def draw_stop_tokens_triton(
+    processed: torch.Tensor,  # [N, V] the rows' processed logits
+    choices: torch.Tensor,  # [N] int64 choose_children's result
+    sampled: torch.Tensor,  # [R, 1 + B] int64 the walk's tokens, updated in place
+    path: torch.Tensor,  # [R, D + 1] int64 accepted verify rows
+    num_accepted: torch.Tensor,  # [R] int64 (root included)
     cu_num_logits: torch.Tensor,  # [R + 1] int32
-    idx_mapping: torch.Tensor,  # [R] int32
-    positions: torch.Tensor,  # [N] int64
+    idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
+    positions: torch.Tensor,  # [N] int64 each row's position
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
     draw: DrawRows,
 ) -> None:
-    """:func:`draw_stop_tokens` in two launches around the draw."""
+    """The Triton launcher of :func:`draw_stop_tokens`: two launches around the draw."""
     R, V = idx_mapping.shape[0], processed.shape[1]
     assert processed.stride(1) == 1 and sampled.stride(1) == 1 and path.stride(1) == 1
     dev = processed.device

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU checks and measurements on vLLM 0.34 (one NVIDIA GPU, a host without a package
+# index), one stage per invocation:
+#   bash benchmarks/gpu_v034.sh STAGE
+# vLLM 0.34 and the stack it needs (torch 2.14, Triton 3.8, NCCL 2.30, the CuTe DSL)
+# arrive as split archives next to the working tree, one part per invocation of the
+# `carry` stage: first .gpu/bundle.part-* (vLLM's pure-Python dependencies; collected by
+# .gpu/unpack.sh), then .gpu34/p-* (the 0.34 wheels; .gpu34/unpack_034.sh installs them
+# once all are there).  Every other stage stops at once on a host without them.
+#
+#   carry     stash the part(s) that came with this invocation
+#   check     install the plugin; versions; `vllm-ddtree doctor`; the margin fixtures
+#             (greedy tokens against no speculation, CUDA graphs, batches 1 and 32,
+#             budgets 15 and 63, a DFlash tree-beats-chain and accept-all pair and a
+#             DSpark drafter); `vllm serve` with DDTree against no speculation (the
+#             OpenAI-compatible server, the start-up line naming DDTree)
+#   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
+#   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
+#             as benchmarks.step_cost takes them)
+# Logs under $OUT/<stage>/, tables on stdout.
+set -u
+STAGE=$1
+OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
+cd "$(dirname "$0")/.."
+source .gpu/unpack.sh > "$LOG/unpack.log" 2>&1
+source .gpu34/unpack_034.sh >> "$LOG/unpack.log" 2>&1
+source benchmarks/gpu_common.sh
+if [ "$STAGE" = carry ]; then tail -n 2 "$LOG/unpack.log"; exit 0; fi
+[ -f /tmp/v34site/.complete ] || { echo "vLLM 0.34 is not installed on this host (reset?):" \
+  "carry the parts again"; exit 3; }
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
+install_plugin
+banner "versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
+
+case $STAGE in
+check)
+  banner "vllm-ddtree doctor"
+  python3 -m vllm_ddtree doctor 2>&1 | grep -v "^\(INFO\|WARNING\|DEBUG\)" | tail -n 12
+  banner "margin fixtures: DDTree (CUDA graphs) against no speculation (eager)"
+  watchdog 420 "$LOG/margin.log" python3 -m benchmarks.gpu_correctness --out "$LOG/margin" \
+    --fixtures "${FIXTURES:-accept_all,tree_beats_chain,dspark:markov_steers}" \
+    --budgets "${BUDGETS:-15,63}" --graphs 1 --batches 1,32 --ref-eager
+  echo "exit $?"; sed -n '/^fixture/,$p' "$LOG/margin.log"
+  grep -m3 -E "Error|error:|Traceback" "$LOG/margin.log"; cleanup
+  banner "vllm serve with DDTree against no speculation"
+  timeout 240 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 15 > "$LOG/serve.log" 2>&1
+  echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"
+  grep -m1 -o "DDTree speculative decoding on.*" "$LOG/serve/server.log"
+  grep -m3 -E "Error|Traceback" "$LOG/serve/server.log"; cleanup
+  ;;
+sampling)
+  banner "T > 0: DDTree's samples against no speculation (two-sample chi-square)"
+  watchdog 540 "$LOG/pytest.log" python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_gpu_engines.py -m gpu -k sampling
+  echo "exit $?"; tail -n 15 "$LOG/pytest.log"; cleanup
+  ;;
+stepcost)
+  banner "equal-acceptance step cost at Qwen3-8B shape"
+  watchdog 560 "$LOG/step.log" python3 -m benchmarks.step_cost --out "$LOG/step" \
+    --models /tmp/shaped --methods "${METHODS:-dflash,ddtree-15,ddtree-63}" \
+    --batches "${BATCHES:-1,8,32,64}" --temps "${TEMPS:-0,1}" --repeats "${REPEATS:-1}" \
+    ${STEP_ARGS:-}
+  echo "exit $?"; tail -n 30 "$LOG/step.log"; cleanup
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac

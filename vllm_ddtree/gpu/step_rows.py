@@ -1,0 +1,48 @@
+"""The verify rows of one target step: what the tree attention reads.
+
+Written once per step by :meth:`~vllm_ddtree.gpu.tree_state.TreeStates.fill_rows`
+(called from the model state's ``prepare_attn``), read by the tree attention's metadata
+builder and kernels, by the model state (RoPE positions) and by the verifier (each
+node's position).  Persistent buffers: their addresses are baked into CUDA graphs.
+Pure torch (no vLLM import).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+import torch
+
+
+class StepRows:
+    """``T`` below is ``max_num_tokens`` (the step's token rows), ``S`` ``max_num_reqs``,
+    ``W = max_rows = budget + 1`` (verify rows of one request), ``NW = ceil(W / 32)``."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, budget: int,
+                 device: torch.device | str, step_budgets: Iterable[int] = ()) -> None:
+        self.max_rows = budget + 1
+        self.num_words = (self.max_rows + 31) // 32
+        # verify widths a step can have (1 + each budget of a per-batch-size schedule)
+        self.verify_widths = sorted({1 + b for b in step_budgets if b < budget}
+                                    | {self.max_rows})
+        # [T, NW] int32: row i attends to row j of its request iff bit j is set
+        self.bits = torch.zeros((max_num_tokens, self.num_words), dtype=torch.int32,
+                                device=device)
+        # [T] int64: RoPE positions (tree rows: root position + depth)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        # [S] int32: each request's KV length before the step's rows
+        self.prefix_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # [S] int32: end of the rows a mixed step's tree kernel recomputes
+        self.query_end = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # host flag: this step verifies trees (else the attention runs vLLM's own path)
+        self.has_trees = False
+
+    def kernel_rows(self, max_query_len: int) -> int:
+        """Verify rows per request that a tree-attention launch covers in a step whose
+        longest request has ``max_query_len <= max_rows`` rows: the narrowest verify
+        width that holds them.  An adaptive engine's narrow steps then take the narrow
+        tiling (not the widest budget's), and every step takes a tiling its CUDA-graph
+        capture compiled at start-up (one per width)."""
+        widths = self.verify_widths
+        return widths[min(bisect.bisect_left(widths, max_query_len), len(widths) - 1)]
