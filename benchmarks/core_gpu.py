@@ -13,7 +13,8 @@ Markov head, :func:`vllm_ddtree.tree.build_conditioned_tree`) on CUDA against th
 oracle (ties included), and its time at the SmolLM2 DSpark drafter's shape (D = 16,
 V = 49152, bf16 factors) against the DFlash tree of the same budget, with each depth's
 logits summed inside the top-k kernel ("fused") and written out first ("written"), and
-each depth's selection in torch or in one Triton launch (``impl="triton"``).
+each depth's selection in torch (``build_conditioned_tree_torch``) or in one Triton launch
+(``build_conditioned_tree_triton``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from vllm_ddtree.kernels.tree_attention import tree_attention_torch, tree_attention_triton
 from vllm_ddtree.tree import build_tree, tree_layout, walk_tree
+from vllm_ddtree.tree.build import build_tree_torch
 
 STEP_MS_8B = 5.3  # Qwen3-8B-shaped decode step, batch 1, vLLM 0.26 on this H200
 
@@ -123,9 +125,9 @@ def time_core(dtype):
         for B in (16, 64, 256, 1024):
             tgt = torch.randint(0, V, (R, B + 1), device="cuda")
             res = []
-            for impl in ("torch", "auto"):
+            for build in (build_tree_torch, build_tree):  # the torch selection, the pick
                 def step():
-                    tree = build_tree(logits, B, impl=impl)
+                    tree = build(logits, B)
                     acc, num, bonus = walk_tree(tree, tgt)
                     lay = tree_layout(tree, root)
                     return tree, acc, lay
@@ -175,7 +177,11 @@ def check_conditioned() -> list[tuple]:
     whatever the summation order (``spread`` 1: ties everywhere)."""
     import functools
 
-    from vllm_ddtree.tree.conditioned import build_conditioned_tree, markov_bias
+    from vllm_ddtree.tree.conditioned import (
+        build_conditioned_tree_torch,
+        build_conditioned_tree_triton,
+        markov_bias,
+    )
     from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
     rows = []
@@ -187,8 +193,8 @@ def check_conditioned() -> list[tuple]:
         roots = torch.randint(0, V, (R,), generator=g)
         bias = functools.partial(markov_bias, w1.cuda(), w2.cuda())
         oks = []
-        for impl in ("torch", "triton"):
-            tree = build_conditioned_tree(base.cuda(), roots.cuda(), bias, B, impl=impl)
+        for build in (build_conditioned_tree_torch, build_conditioned_tree_triton):
+            tree = build(base.cuda(), roots.cuda(), bias, B)
             ok = True
             for r in range(R):
                 want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, B)
@@ -230,8 +236,8 @@ def time_conditioned() -> list[tuple]:
             fused = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
             with mock.patch.object(conditioned, "depth_candidates", written):
                 old = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
-            select = _graph_ms(lambda: conditioned.build_conditioned_tree(
-                base, roots, bias, B, impl="triton"))
+            select = _graph_ms(lambda: conditioned.build_conditioned_tree_triton(
+                base, roots, bias, B))
             rows.append((rank, R, dflash, old, fused, select))
     return rows
 

@@ -5,7 +5,7 @@ kernels, at the draft shape of a Qwen3-8B DFlash drafter.
 
 A case ``RxB`` is R requests at budget B: ``R * 15`` rows of bf16 draft logits over a
 151936-token vocabulary (normal, standard deviation 2), top-``B`` per row
-(:func:`topk_lse`, pruned, log-probabilities), then the tree of ``B`` nodes
+(:func:`topk_lse_triton`, pruned, log-probabilities), then the tree of ``B`` nodes
 (:func:`tree_build_triton`).  Each of :class:`TopkTuning`'s fields and the build's warps
 is varied alone from the default; every setting's output is checked against the
 default's (token ids and trees bit for bit; log-sum-exp and log-probabilities, whose
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.core_gpu import graph_us
-from vllm_ddtree.kernels.topk_lse import TopkTuning, _prune_chunk, topk_lse, topk_tuning
+from vllm_ddtree.kernels.topk_lse import TopkTuning, _prune_chunk, topk_lse_triton, topk_tuning
 from vllm_ddtree.kernels.tree_build import build_warps, tree_build_triton
 
 V, D, CALLS, REPLAYS, DEV = 151936, 15, 20, 20, "cuda"
@@ -58,18 +58,18 @@ def run_case(R: int, budget: int, rows: list[dict]) -> dict:
     x = (2 * torch.randn(R * D, V, generator=g, device=DEV)).to(torch.bfloat16)
     k = budget
     default = topk_tuning(k, R * D)
-    ref = topk_lse(x, k, logprobs=True)
+    ref = topk_lse_triton(x, k, logprobs=True)
     budgets = torch.full((R,), budget, dtype=torch.int64, device=DEV)
 
     def topk_us(tuning: TopkTuning) -> float:
-        got = topk_lse(x, k, logprobs=True, tuning=tuning)
+        got = topk_lse_triton(x, k, logprobs=True, tuning=tuning)
         # ids bit for bit; the log-sum-exp (and so the log-probabilities) may round
         # differently under other warps
         if not (torch.equal(got[1], ref[1])
                 and torch.allclose(got[0], ref[0], rtol=0, atol=1e-5)
                 and torch.allclose(got[2], ref[2], rtol=0, atol=1e-5)):
             raise AssertionError(f"{tuning} differs from the default at {R}x{budget}")
-        return timed_us(lambda: topk_lse(x, k, logprobs=True, tuning=tuning))
+        return timed_us(lambda: topk_lse_triton(x, k, logprobs=True, tuning=tuning))
 
     res = dict(R=R, budget=budget, live=live_keys(x, k), default=default._asdict(),
                topk_us=topk_us(default), best={})

@@ -37,7 +37,7 @@ def test_every_setting_is_checked_and_recorded(small_sweep):
 
 
 def test_a_setting_that_changes_tokens_is_an_error(small_sweep, monkeypatch):
-    real = topk_module.topk_lse
+    real = topk_module.topk_lse_triton
 
     def wrong_without_sort(x, k, tuning=None, **kw):
         out = real(x, k, tuning=tuning, **kw)
@@ -45,7 +45,7 @@ def test_a_setting_that_changes_tokens_is_an_error(small_sweep, monkeypatch):
             out = (out[0], out[1].flip(-1), *out[2:])
         return out
 
-    monkeypatch.setattr(sweep, "topk_lse", wrong_without_sort)
+    monkeypatch.setattr(sweep, "topk_lse_triton", wrong_without_sort)
     rows = []
     sweep.run_case(1, 15, rows)
     errors = {(r["field"], r["value"]) for r in rows if r["kernel"] == "topk" and r["error"]}

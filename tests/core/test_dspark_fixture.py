@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm_ddtree.testing import dspark_fixture as dx
 from vllm_ddtree.testing import fixtures as fx
 from vllm_ddtree.testing.dspark_fixture import TOKEN_A, TOKEN_B, TOKEN_C, write_dspark_drafter
-from vllm_ddtree.tree import build_conditioned_tree, build_tree
+from vllm_ddtree.tree import build_conditioned_tree
+from vllm_ddtree.tree.build import build_tree_torch
 from vllm_ddtree.tree.conditioned import markov_bias
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,7 +171,7 @@ def test_markov_steers_guarantee(root, dtype, vd):
                           for r in roots.tolist()])  # [R, D, V_draft]
     cond = build_conditioned_tree(logits, roots, functools.partial(markov_bias, w1, w2),
                                   budget=D, draft_to_target=d2t)
-    marg = build_tree(logits, D, impl="torch")
+    marg = build_tree_torch(logits, D)
     chain = torch.arange(D).expand(2, -1)  # node j's parent is node j - 1 (0 = root)
     A, B, C = TOKEN_A, TOKEN_B, TOKEN_C
     assert torch.equal(cond.token_ids, torch.tensor([[A] * D, [C, B, C, B, C]]))

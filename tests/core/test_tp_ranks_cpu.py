@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm_ddtree.tree import build_tree, compaction_plan, walk_tree
+from vllm_ddtree.tree import compaction_plan, walk_tree
+from vllm_ddtree.tree.build import build_tree_torch
 
 R, D, V, B = 3, 6, 96, 20
 
@@ -42,7 +43,7 @@ def _target_logits() -> torch.Tensor:
 
 
 def _step(draft: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-    tree = build_tree(draft, B, impl="torch")
+    tree = build_tree_torch(draft, B)
     depth = torch.cat([torch.zeros(R, 1, dtype=torch.int64), tree.depths], 1)  # [R, 1 + B]
     picks = target.gather(1, depth[..., None].expand(-1, -1, V)).argmax(-1)
     acc, num, bonus = walk_tree(tree, picks)

@@ -93,7 +93,7 @@ def test_triton_matches_reference(dtype, tol, hd, Hq, Hkv, include_prefix):
 @needs_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_logsumexp_sanitize_kernel(dtype):
-    from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
+    from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize_triton
     from vllm_ddtree.tree.build import sanitized_logits
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,10 +105,10 @@ def test_logsumexp_sanitize_kernel(dtype):
     x[4, :] = float("-inf")
     x = x.to(dev)
     ref = torch.logsumexp(sanitized_logits(x), dim=-1)
-    got = logsumexp_sanitize(x.clone())
+    got = logsumexp_sanitize_triton(x.clone())
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
     y = x.clone()
-    logsumexp_sanitize(y, sanitize_inplace=True)
+    logsumexp_sanitize_triton(y, sanitize_inplace=True)
     assert not torch.isnan(y).any() and not torch.isposinf(y).any()
     assert torch.equal(y[0], x[0])  # clean rows untouched
 
@@ -137,7 +137,7 @@ def test_chunked_topk_lse_reduction_paths(k, prune):
 
 
 def _check_topk_lse(dtype, k, prune, tuning):
-    from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse
+    from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse_triton
     from vllm_ddtree.tree.build import sanitized_logits
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,18 +160,18 @@ def _check_topk_lse(dtype, k, prune, tuning):
             maxima = m.view(-1, chunk).max(dim=-1).values
             assert (maxima < maxima.topk(k).values[-1]).any()
     args = dict(chunk=None if prune else 1024, pruned=prune, tuning=tuning)
-    vals, idx, lse = topk_lse(x, k, **args)
+    vals, idx, lse = topk_lse_triton(x, k, **args)
     ref = sanitized_logits(x.cpu())
     rv, ri = torch.sort(ref, dim=-1, descending=True, stable=True)
     assert torch.equal(idx.cpu(), ri[:, :k])
     assert torch.equal(vals.cpu(), rv[:, :k])
     torch.testing.assert_close(lse.cpu(), torch.logsumexp(ref, -1), atol=1e-4, rtol=1e-5)
-    lp, idx2, lse2, bad = topk_lse(x, k, **args, logprobs=True, return_nonfinite=True)
+    lp, idx2, lse2, bad = topk_lse_triton(x, k, **args, logprobs=True, return_nonfinite=True)
     assert torch.equal(idx2, idx) and torch.equal(lse2, lse)
     assert torch.equal(lp, vals - lse.unsqueeze(1))
     assert bad.tolist() == [False, True, True, True, False, True]
     none = torch.full((1, 9000), float("-inf"), dtype=dtype, device=dev)
-    lp, _, lse = topk_lse(none, k, **args, logprobs=True)  # -inf - -inf: -inf, not NaN
+    lp, _, lse = topk_lse_triton(none, k, **args, logprobs=True)  # -inf - -inf: -inf, not NaN
     assert lse.item() == float("-inf") and lp.eq(float("-inf")).all()
 
 

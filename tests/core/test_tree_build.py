@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree.build import build_tree_torch, build_tree_triton
 from vllm_ddtree.tree.reference import build_tree_heap
 
 
@@ -142,11 +143,11 @@ def test_triton_build_matches_torch(kind, R, D, V, budget):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(R + D + V + budget)
     x = _logits(gen, R, D, V, kind).to(dev)  # same device: identical log-softmax values
-    ref = build_tree(x, budget, impl="torch")
+    ref = build_tree_torch(x, budget)
     per_req = torch.tensor([budget - (r % 3) for r in range(R)], device=dev)
-    ref_pr = build_tree(x, per_req, max_budget=budget, impl="torch")
+    ref_pr = build_tree_torch(x, per_req, max_budget=budget)
     for want, b in ((ref, budget), (ref_pr, per_req)):
-        got = build_tree(x, b, max_budget=budget, impl="triton")
+        got = build_tree_triton(x, b, max_budget=budget)
         for f in ("token_ids", "parents", "depths", "num_nodes", "scores"):
             assert torch.equal(getattr(got, f), getattr(want, f)), f
 
@@ -184,15 +185,15 @@ def test_cpu_topk_equals_stable_sort_prefix():
 def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
     """The per-depth candidates of the CUDA path (the Triton top-k, in the variant that
     build_tree passes down) equal the CPU path's, ties and NaN/inf included."""
-    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+    from vllm_ddtree.tree.build import depth_candidates_torch, depth_candidates_triton
 
     dev = "cuda" if _ON_GPU else "cpu"
     gen = torch.Generator().manual_seed(k)
     x = torch.randint(0, 4, (2, 3, 3000), generator=gen).float()  # heavy ties
     x[0, 1, 17] = float("nan")
     x[1, 2, 2999] = float("inf")
-    want_lp, want_tok = depth_candidates(x, k)  # CPU: exact top-k with stable ties
-    got_lp, got_tok = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned)
+    want_lp, want_tok = depth_candidates_torch(x, k)  # exact top-k with stable ties
+    got_lp, got_tok = depth_candidates_triton(x.to(dev), k, topk_pruned=topk_pruned)
     assert torch.equal(got_tok.cpu(), want_tok)
     torch.testing.assert_close(got_lp.cpu(), want_lp, atol=1e-5, rtol=1e-5)
 
@@ -203,7 +204,7 @@ def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
 def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
     """The top-k kernel's own pass flags each depth whose logits hold a NaN, +inf or -inf
     (k = 70: beyond the kernel, torch's top-k path), the same as torch.isfinite."""
-    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+    from vllm_ddtree.tree.build import depth_candidates_torch, depth_candidates_triton
 
     dev = "cuda" if _ON_GPU else "cpu"
     x = torch.randn(3, 4, 3000, generator=torch.Generator().manual_seed(k))
@@ -213,9 +214,10 @@ def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
     x[2, 3, 1500] = float("nan")
     want = ~torch.isfinite(x).all(dim=-1)  # [3, 4]
     assert want.sum() == 4
-    *_, got = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned, with_nonfinite=True)
+    *_, got = depth_candidates_triton(x.to(dev), k, topk_pruned=topk_pruned,
+                                      with_nonfinite=True)
     assert torch.equal(got.cpu(), want)
-    assert torch.equal(depth_candidates(x, k, with_nonfinite=True)[2], want)
+    assert torch.equal(depth_candidates_torch(x, k, with_nonfinite=True)[2], want)
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
@@ -227,7 +229,7 @@ def test_cuda_candidates_add_a_shared_term_as_if_written_out(topk_pruned, k):
     log-probabilities and non-finite flags as the float32 sum written out, from bf16
     rows with ties (k = 70: beyond the kernel, the written-out fallback, whose torch top-k orders
     ties by index on CUDA only: no ties there)."""
-    from vllm_ddtree.tree.build import _depth_candidates_cuda, depth_candidates
+    from vllm_ddtree.tree.build import depth_candidates_torch, depth_candidates_triton
 
     dev = "cuda" if _ON_GPU else "cpu"
     gen = torch.Generator().manual_seed(k)
@@ -238,32 +240,32 @@ def test_cuda_candidates_add_a_shared_term_as_if_written_out(topk_pruned, k):
     x[0, 1, 17] = float("nan")
     base[1, 2999] = float("inf")  # every row of request 1 gets it
     written = x.float() + base.unsqueeze(1)
-    want = depth_candidates(written, k, with_nonfinite=True)  # CPU reference
+    want = depth_candidates_torch(written, k, with_nonfinite=True)  # the reference
     assert torch.equal(want[2], torch.tensor([[False, True, False], [True, True, True]]))
     assert all(torch.equal(c, w) for c, w in
-               zip(depth_candidates(x, k, with_nonfinite=True, add=base), want))
-    got = _depth_candidates_cuda(x.to(dev), k, False, topk_pruned, with_nonfinite=True,
-                                 add=base.to(dev))
-    same = _depth_candidates_cuda(written.to(dev), k, False, topk_pruned,
-                                  with_nonfinite=True)
+               zip(depth_candidates_torch(x, k, with_nonfinite=True, add=base), want))
+    got = depth_candidates_triton(x.to(dev), k, topk_pruned=topk_pruned,
+                                  with_nonfinite=True, add=base.to(dev))
+    same = depth_candidates_triton(written.to(dev), k, topk_pruned=topk_pruned,
+                                   with_nonfinite=True)
     for g, w in zip(got, same):  # the same numbers as the sum written out
         assert torch.equal(g, w)
     assert torch.equal(got[1].cpu(), want[1]) and torch.equal(got[2].cpu(), want[2])
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_build_keeps_each_depths_best_token_and_nonfinite_requests(impl):
+@pytest.mark.parametrize("build", [build_tree_torch, pytest.param(
+    build_tree_triton, marks=pytest.mark.skipif(
+        __import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
+        reason="needs TRITON_INTERPRET=1 or a GPU"))])
+def test_build_keeps_each_depths_best_token_and_nonfinite_requests(build):
     """build_tree's by-products: ``top1`` is the drafter's chain (argmax per depth, ties
     to the lower id), ``nonfinite`` the requests drop_nonfinite empties, which then reads
     the flag instead of the logits."""
     from vllm_ddtree.tree import drop_nonfinite
 
-    if impl == "triton" and __import__("os").environ.get("TRITON_INTERPRET") != "1" \
-            and not _ON_GPU:
-        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
     x = torch.randint(0, 5, (4, 3, 300), generator=torch.Generator().manual_seed(1)).float()
     x[2, 1, 7] = float("nan")
-    tree = build_tree(x, 8, impl=impl)
+    tree = build(x, 8)
     sane = torch.nan_to_num(x, nan=float("-inf"))
     assert torch.equal(tree.top1, sane.argmax(dim=-1))
     assert tree.nonfinite.tolist() == [False, False, True, False]
@@ -271,3 +273,47 @@ def test_build_keeps_each_depths_best_token_and_nonfinite_requests(impl):
     assert bad.tolist() == [False, False, True, False]
     assert (tree.token_ids[2] == -1).all() and int(tree.num_nodes[2]) == 0
     assert int(tree.num_nodes[0]) == 8
+
+
+def test_triton_build_refuses_what_one_program_cannot_sort():
+    """Budget 600 at depth 8: the global selection (1024 x 8 keys) does not fit one
+    program's sort, which the launcher says (the dispatching build_tree uses torch)."""
+    from vllm_ddtree.kernels.tree_build import triton_build_supported
+
+    x = torch.randn(2, 8, 30, generator=torch.Generator().manual_seed(0))
+    assert not triton_build_supported(8, 30, 600)
+    with pytest.raises(ValueError, match="build_tree_triton: does not support D=8, K=30, "
+                                         "width=600"):
+        build_tree_triton(x, 600)
+    assert build_tree_triton(x, 0).token_ids.shape == (2, 0)  # nothing to select: no error
+
+
+def test_build_tree_picks_triton_on_the_gpu_where_the_width_fits(monkeypatch):
+    """build_tree's one rule: build_tree_triton where use_triton holds (Triton, a GPU
+    tensor) and the width fits one program, else build_tree_torch (what impl="auto"
+    was); the same arguments pass through."""
+    from vllm_ddtree.kernels.tree_build import triton_build_supported
+    from vllm_ddtree.tree import build as build_module
+
+    calls = []
+    for name in ("build_tree_torch", "build_tree_triton"):
+        monkeypatch.setattr(build_module, name,
+                            lambda *args, name=name: calls.append((name, args[1:])))
+    x = torch.zeros(2, 8, 30)
+    for on_gpu in (True, False):
+        monkeypatch.setattr(build_module, "use_triton", lambda t, on_gpu=on_gpu: on_gpu)
+        build_tree(x, 15)
+        build_tree(x, 600)
+        build_tree(x, torch.tensor([3, 5]), 15, True, False)
+    fits = "build_tree_triton" if triton_build_supported(8, 15, 15) else "build_tree_torch"
+    t = torch.tensor([3, 5])
+    want = [(fits, (15, None, False, True)), ("build_tree_torch", (600, None, False, True)),
+            (fits, (t, 15, True, False))] + [
+        ("build_tree_torch", (15, None, False, True)),
+        ("build_tree_torch", (600, None, False, True)),
+        ("build_tree_torch", (t, 15, True, False))]
+    assert [n for n, _ in calls] == [n for n, _ in want]
+    for (_, got), (_, exp) in zip(calls, want):
+        assert len(got) == len(exp) and all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(got, exp))

@@ -11,14 +11,20 @@ import os
 import pytest
 import torch
 
-from vllm_ddtree.tree import build_tree
-from vllm_ddtree.tree.conditioned import build_conditioned_tree, markov_bias
+from vllm_ddtree.tree.build import build_tree_torch
+from vllm_ddtree.tree.conditioned import (
+    build_conditioned_tree,
+    build_conditioned_tree_torch,
+    build_conditioned_tree_triton,
+    markov_bias,
+)
 from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
 # each depth's selection in torch, and in the Triton kernel where it can run here
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="needs TRITON_INTERPRET=1 or a GPU"))]
+BUILDS = [build_conditioned_tree_torch, pytest.param(
+    build_conditioned_tree_triton, marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+        reason="needs TRITON_INTERPRET=1 or a GPU"))]
 
 
 def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: int):
@@ -44,10 +50,10 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("D,V,budget", [(1, 7, 3), (3, 12, 7), (4, 9, 15), (5, 40, 30),
                                         (6, 5, 63), (3, 24, 1)])
 @pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
-@pytest.mark.parametrize("impl", IMPLS)
-def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, impl):
+@pytest.mark.parametrize("build", BUILDS)
+def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, impl=impl)
+    tree = build(base, roots, _bias(w1, w2), budget)
     for r in range(3):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, budget)
         assert _nodes(tree, r) == want
@@ -56,14 +62,13 @@ def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, impl)
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("impl", IMPLS)
-def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed, impl):
+@pytest.mark.parametrize("build", BUILDS)
+def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed, build):
     """A draft vocabulary of 10 ids inside a target vocabulary of 32: node tokens are
     target ids, and each child distribution is conditioned on its parent's target id."""
     base, w1, w2, roots = _case(seed, 2, 4, 10, rank=2, spread=4, v_target=32)
     d2t = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:10]
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 20, draft_to_target=d2t,
-                                  impl=impl)
+    tree = build(base, roots, _bias(w1, w2), 20, draft_to_target=d2t)
     for r in range(2):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, 20,
                                            draft_to_target=d2t.tolist())
@@ -78,7 +83,7 @@ def test_without_markov_bias_it_is_the_dflash_tree(seed):
     base, w1, w2, roots = _case(seed, 3, 5, 30, rank=2, spread=6, v_target=30)
     got = build_conditioned_tree(base, roots, _bias(torch.zeros_like(w1), torch.zeros_like(w2)),
                                  31)
-    want = build_tree(base, 31, impl="torch")
+    want = build_tree_torch(base, 31)
     for field in ("token_ids", "parents", "depths", "num_nodes", "scores"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 
@@ -107,8 +112,47 @@ def test_budget_zero_and_shape_errors():
     assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
     with pytest.raises(ValueError, match=r"\[R, D, V\]"):
         build_conditioned_tree(base[0], roots, _bias(w1, w2), 4)
-    with pytest.raises(ValueError, match="impl must be 'auto', 'torch' or 'triton'"):
-        build_conditioned_tree(base, roots, _bias(w1, w2), 4, impl="cuda")
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        build_conditioned_tree(base, roots, _bias(w1, w2), -1)
+
+
+def test_triton_build_refuses_what_one_program_cannot_sort():
+    """Budget 2000 over 30 draft tokens: depth 3's ~7200 pairs do not fit one program's
+    sort, which the launcher says before any work (build_conditioned_tree uses torch)."""
+    from vllm_ddtree.kernels.tree_build import select_children_supported
+
+    base, w1, w2, roots = _case(0, 2, 3, 30, rank=2, spread=2, v_target=30)
+    assert not select_children_supported(3, 30, 2000)
+    with pytest.raises(ValueError, match="build_conditioned_tree_triton: needs Triton and a "
+                                         "pair sort that fits one program"):
+        build_conditioned_tree_triton(base, roots, _bias(w1, w2), 2000)
+    empty = build_conditioned_tree_triton(base, roots, _bias(w1, w2), 0)  # nothing to select
+    assert empty.token_ids.shape == (2, 0)
+
+
+def test_build_conditioned_tree_picks_triton_on_the_gpu_where_the_sort_fits(monkeypatch):
+    """The one rule: build_conditioned_tree_triton where use_triton holds (Triton, a GPU
+    tensor) and every depth's pair sort fits one program, else the torch reference (what
+    impl="auto" was); the same arguments pass through."""
+    from vllm_ddtree.kernels.tree_build import select_children_supported
+    from vllm_ddtree.tree import conditioned
+
+    calls = []
+    for name in ("build_conditioned_tree_torch", "build_conditioned_tree_triton"):
+        monkeypatch.setattr(conditioned, name,
+                            lambda *args, name=name: calls.append((name, args[3:])))
+    base, w1, w2, roots = _case(0, 2, 3, 30, rank=2, spread=2, v_target=30)
+    d2t = torch.arange(30)
+    for on_gpu in (True, False):
+        monkeypatch.setattr(conditioned, "use_triton", lambda t, on_gpu=on_gpu: on_gpu)
+        build_conditioned_tree(base, roots, _bias(w1, w2), 15, d2t)
+        build_conditioned_tree(base, roots, _bias(w1, w2), 2000)
+    fits = ("build_conditioned_tree_triton" if select_children_supported(3, 15, 15)
+            else "build_conditioned_tree_torch")
+    torch_ = "build_conditioned_tree_torch"
+    assert [n for n, _ in calls] == [fits, torch_, torch_, torch_]
+    assert [a[0] for _, a in calls] == [15, 2000, 15, 2000]
+    assert all(a[1] is (d2t if a[0] == 15 else None) for _, a in calls)
 
 
 def _greedy_chain(base, root, w1, w2, d2t=None):
@@ -124,14 +168,13 @@ def _greedy_chain(base, root, w1, w2, d2t=None):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 4, 31])
-@pytest.mark.parametrize("impl", IMPLS)
-def test_top1_is_the_drafters_greedy_chain(seed, budget, impl):
+@pytest.mark.parametrize("build", BUILDS)
+def test_top1_is_the_drafters_greedy_chain(seed, budget, build):
     """``top1`` (the chain fallback) follows the Markov head from the root, even where
     the tree dropped the chain's nodes (budget 1 keeps one node)."""
     base, w1, w2, roots = _case(seed, 3, 5, 16, rank=2, spread=3, v_target=24)
     d2t = torch.randperm(24, generator=torch.Generator().manual_seed(seed))[:16]
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), budget, draft_to_target=d2t,
-                                  impl=impl)
+    tree = build(base, roots, _bias(w1, w2), budget, draft_to_target=d2t)
     for r in range(3):
         assert tree.top1[r].tolist() == _greedy_chain(base[r], int(roots[r]), w1, w2, d2t)
     assert not tree.nonfinite.any()

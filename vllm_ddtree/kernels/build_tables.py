@@ -1,7 +1,7 @@
 """Tables and key packing shared by the torch and the Triton tree builds.
 
-Both builds (``build_tree`` in the tree package and :mod:`.tree_build`) score the same
-candidate (parent position, token rank) pairs and select with the same int64 keys:
+Both builds (``build_tree_torch`` in the tree package and :mod:`.tree_build`) score the
+same candidate (parent position, token rank) pairs and select with the same int64 keys:
 order-preserving float32 score bits in the high 32 bits above an inverted tie code in
 the low 32, so that a larger key is a higher score, then a lower tie code.  Distinct
 tie codes make every key unique, and one ``topk`` selects with no ties.

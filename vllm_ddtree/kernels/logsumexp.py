@@ -2,9 +2,11 @@
 
 NaN counts as -inf and +inf as the dtype's largest finite value.  With
 ``sanitize_inplace`` the kernel also rewrites those (rare) entries in ``x`` itself,
-with a masked store, so ``torch.topk`` can then run on ``x`` directly.  The reference is
-``torch.logsumexp`` over the sanitized float32 logits (the tree build's
-``sanitized_logits``).
+with a masked store, so ``torch.topk`` can then run on ``x`` directly.  A piece of the
+tree build's :func:`~vllm_ddtree.tree.build.depth_candidates_triton` (for ``k`` beyond
+the top-k kernel); the reference is ``torch.logsumexp`` over the sanitized float32
+logits (the tree build's ``sanitized_logits``, as
+:func:`~vllm_ddtree.tree.build.depth_candidates_torch` computes it).
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ if HAS_TRITON:
         tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), mx_safe + tl.log(total)))
 
 
-def logsumexp_sanitize(
+def logsumexp_sanitize_triton(
     x: torch.Tensor,  # [rows, V] logits, last dim contiguous
     sanitize_inplace: bool = False,
 ) -> torch.Tensor:
-    """Sanitized log-sum-exp of each row of ``x``: float32 ``[rows]``.  With
-    ``sanitize_inplace``, NaN/+inf entries of ``x`` are overwritten by their sanitized
-    values."""
+    """The Triton launcher: sanitized log-sum-exp of each row of ``x``, float32
+    ``[rows]``, one program per row.  With ``sanitize_inplace``, NaN/+inf entries of
+    ``x`` are overwritten by their sanitized values."""
     rows, V = x.shape
     assert x.stride(1) == 1
     lse = torch.empty(rows, dtype=torch.float32, device=x.device)

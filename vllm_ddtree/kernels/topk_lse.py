@@ -7,7 +7,9 @@ token id by construction.  One program per row then merges: the row's top ``k`` 
 ``chunks * k`` keys (one sort of the live ones when they are few, else ``k``
 max-reductions; :class:`TopkTuning`), unpacked to values and ids (or
 log-probabilities), the log-sum-exp from the chunks' maxima and sums, and the row's
-non-finite flag.  Reference: ``depth_candidates`` on CPU (a stable sort).  With the
+non-finite flag.  :func:`topk_lse_triton` launches them for the tree build's
+:func:`~vllm_ddtree.tree.build.depth_candidates_triton`; the reference is
+:func:`~vllm_ddtree.tree.build.depth_candidates_torch` (a stable sort).  With the
 pruning bound and this merge in Triton (four launches, in place of ~20 around two
 ``torch.topk`` and a ``logsumexp``), the top-k of one request at budget 15 (15 rows)
 takes 0.026 ms in a CUDA graph on the H200, 0.072 ms before
@@ -49,7 +51,7 @@ PRUNED_MAX_K = 64
 
 
 def topk_lse_max_k(pruned: bool) -> int:
-    """Largest ``k`` :func:`topk_lse` serves in the given variant."""
+    """Largest ``k`` :func:`topk_lse_triton` serves in the given variant."""
     return PRUNED_MAX_K if pruned else ONE_PASS_MAX_K
 
 
@@ -211,7 +213,7 @@ def _prune_chunk(V: int, k: int) -> int:
 
 
 class TopkTuning(NamedTuple):
-    """Launch settings of :func:`topk_lse`'s kernels.  None changes a token or its rank;
+    """Launch settings of :func:`topk_lse_triton`'s kernels.  None changes a token or its rank;
     the warps of a reduction may round the log-sum-exp (and so the log-probabilities)
     differently."""
 
@@ -225,20 +227,20 @@ class TopkTuning(NamedTuple):
 
 
 def topk_tuning(k: int, rows: int) -> TopkTuning:
-    """:func:`topk_lse`'s default launch settings for ``k`` and ``rows`` rows, measured
-    on an H200 at a 151936-token vocabulary (``benchmarks.tree_build_tuning``; docs:
-    step-cost-h200.md).  The bound by one sort on one warp; 4-warp chunk programs (the
-    ``rows x chunks`` grid fills the GPU); the merge by one sort of up to ``max(128,
-    4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of normal logits
-    has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row leaves SMs idle
-    (up to 132 rows)."""
+    """:func:`topk_lse_triton`'s default launch settings for ``k`` and ``rows`` rows,
+    measured on an H200 at a 151936-token vocabulary (``benchmarks.tree_build_tuning``;
+    docs: step-cost-h200.md).  The bound by one sort on one warp; 4-warp chunk programs
+    (the ``rows x chunks`` grid fills the GPU); the merge by one sort of up to
+    ``max(128, 4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of
+    normal logits has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row
+    leaves SMs idle (up to 132 rows)."""
     kp = next_pow2(k)
     return TopkTuning(stats_warps=8, bound_warps=1, topk_warps=4,
                       merge_warps=8 if rows <= 132 else 4, bound_sort=True,
                       merge_small=max(128, 4 * kp))
 
 
-def topk_lse(
+def topk_lse_triton(
     x: torch.Tensor,  # [rows, V] logits, last dim contiguous
     k: int,
     chunk: int | None = None,
@@ -248,7 +250,8 @@ def topk_lse(
     logprobs: bool = False,
     tuning: TopkTuning | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per row, the ``k`` best sanitized values and their token ids, and the log-sum-exp.
+    """The Triton launcher: per row, the ``k`` best sanitized values and their token
+    ids, and the log-sum-exp.
 
     Returns ``(values [rows, k] float32, token_ids [rows, k] int64, lse [rows]
     float32)``, ranked by value descending, ties by lower id; with ``logprobs`` the

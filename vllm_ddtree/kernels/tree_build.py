@@ -1,7 +1,9 @@
 """Triton kernel for the tree build: one program per request does every depth.
 
 Same algorithm, pair tables and packed keys (:mod:`.build_tables`) as the torch tree
-build it is tested against (``build_tree(impl="torch")``): per depth, the ``~B ln B``
+build it is tested against (:func:`~vllm_ddtree.tree.build.build_tree_torch`; the tree
+build's Triton side :func:`~vllm_ddtree.tree.build.build_tree_triton` launches
+:func:`tree_build_triton`): per depth, the ``~B ln B``
 candidate (parent, rank) pairs are scored, packed into int64 keys and sorted in registers
 (``tl.sort``); the global top-``B`` is one more sort over the ``D`` per-depth sets.
 Replaces a few hundred small torch kernels with one launch.  Used for widths whose sorts
@@ -10,7 +12,9 @@ fit one program.
 :func:`select_children_triton` is one depth of the same selection for trees whose
 children are conditioned on their parent (:mod:`vllm_ddtree.tree.conditioned`): there
 each depth's candidates depend on the previous depth's nodes, so the build takes one
-launch per depth instead of one per tree.
+launch per depth instead of one per tree
+(:func:`~vllm_ddtree.tree.conditioned.build_conditioned_tree_triton`; reference:
+:func:`~vllm_ddtree.tree.conditioned.build_conditioned_tree_torch`).
 """
 
 from __future__ import annotations
@@ -147,10 +151,11 @@ def select_children_triton(
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One depth of the conditioned build: the best ``min(width, num_pairs)`` of the
-    (parent, rank) pairs by (score of the prefix, then pair order), as the torch build
-    selects them (same packed keys).  Returns ``(scores, parent_pos, tokens)``, each
-    ``[R, n']`` (tokens as target ids), and the next depth's parents ``[R, n' + 1]``:
-    those tokens, then the chain's next token (``token_ids[:, n, 0]``)."""
+    (parent, rank) pairs by (score of the prefix, then pair order), as
+    ``build_conditioned_tree_torch`` selects them (same packed keys).  Returns
+    ``(scores, parent_pos, tokens)``, each ``[R, n']`` (tokens as target ids), and the
+    next depth's parents ``[R, n' + 1]``: those tokens, then the chain's next token
+    (``token_ids[:, n, 0]``)."""
     R, n1, K = logprobs.shape
     n, wn = n1 - 1, min(width, num_pairs)
     dev = logprobs.device
@@ -207,7 +212,8 @@ def tree_build_triton(
     budgets: torch.Tensor,  # [R] int64 per-request node budgets (<= width)
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The trees of ``build_tree`` from its per-depth candidates (``depth_candidates``).
+    """The trees of ``build_tree_torch`` from its per-depth candidates
+    (``depth_candidates``), in one launch (one program per request).
 
     Returns ``(token_ids, parents, depths, scores)``, each ``[R, width]``, and
     ``num_nodes [R]``, with ``DraftTree``'s conventions.  ``num_warps`` overrides

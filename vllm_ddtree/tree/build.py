@@ -28,11 +28,16 @@ no loop over requests or nodes, and no device-to-host copy.
 
 Token ranks at each depth order tokens by sanitized logit (descending), ties by lower
 token id.  Sanitizing: NaN counts as -inf, +inf as the input dtype's largest finite value.
+
+Both stages, :func:`depth_candidates` and :func:`build_tree`, have a torch reference
+(``*_torch``) and a Triton side (``*_triton``); the plain name picks one
+(:func:`~vllm_ddtree.kernels.triton_utils.use_triton`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,10 +49,10 @@ from vllm_ddtree.kernels.build_tables import (
     unpack_scores,
     unpack_ties,
 )
-from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize
-from vllm_ddtree.kernels.topk_lse import topk_lse, topk_lse_max_k
+from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize_triton
+from vllm_ddtree.kernels.topk_lse import topk_lse_max_k, topk_lse_triton
 from vllm_ddtree.kernels.tree_build import tree_build_triton, triton_build_supported
-from vllm_ddtree.kernels.triton_utils import HAS_TRITON
+from vllm_ddtree.kernels.triton_utils import use_triton
 
 
 @dataclass
@@ -154,17 +159,26 @@ def depth_candidates(
 
     Returns ``(logprobs [R, D, k] float32, token_ids [R, D, k] int64)``, ranked by logit
     descending, ties by lower token id; with ``with_nonfinite`` also ``nonfinite [R, D]
-    bool`` (the depth's logits held a NaN or an inf; found by the CUDA top-k kernel in
-    its own pass).  With ``inplace`` (CUDA) NaN/inf entries of ``draft_logits`` may be
-    overwritten by their sanitized values (``nonfinite`` is read before).
-    ``topk_pruned``: the CUDA top-k variant (see :func:`build_tree`); every variant
-    gives the same result.  ``add``: the logits are ``draft_logits.float() +
-    add.float().unsqueeze(1)`` (on CUDA the sum is formed inside the top-k kernel, not
-    written out).
+    bool`` (the depth's logits held a NaN or an inf).  ``add``: the logits are
+    ``draft_logits.float() + add.float().unsqueeze(1)``.  ``inplace`` and
+    ``topk_pruned`` are options of :func:`depth_candidates_triton` (the torch reference
+    :func:`depth_candidates_torch` ignores them); every variant gives the same result.
+    Picks one by :func:`~vllm_ddtree.kernels.triton_utils.use_triton`.
     """
-    if draft_logits.is_cuda and HAS_TRITON:
-        return _depth_candidates_cuda(draft_logits, k, inplace, topk_pruned, with_nonfinite,
-                                      add)
+    if use_triton(draft_logits):
+        return depth_candidates_triton(draft_logits, k, inplace, topk_pruned, with_nonfinite,
+                                       add)
+    return depth_candidates_torch(draft_logits, k, with_nonfinite, add)
+
+
+def depth_candidates_torch(
+    draft_logits: torch.Tensor,  # [R, D, V] any float dtype
+    k: int,
+    with_nonfinite: bool = False,
+    add: torch.Tensor | None = None,  # [R, V] shared by the R's D rows
+) -> tuple[torch.Tensor, ...]:
+    """Reference of :func:`depth_candidates`: float32 log-softmax of the sanitized
+    logits and an exact top-``k`` (a stable sort's first ``k``), on any device."""
     if add is not None:
         draft_logits = draft_logits.float() + add.float().unsqueeze(1)
     nonfinite = ~torch.isfinite(draft_logits).all(dim=-1) if with_nonfinite else None
@@ -206,22 +220,32 @@ def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return torch.gather(vals, -1, perm), idx
 
 
-def _depth_candidates_cuda(
-    draft_logits: torch.Tensor,  # [R, D, V]
+def depth_candidates_triton(
+    draft_logits: torch.Tensor,  # [R, D, V] any float dtype
     k: int,
-    inplace: bool,
-    topk_pruned: bool,
+    inplace: bool = False,
+    topk_pruned: bool = True,
     with_nonfinite: bool = False,
-    add: torch.Tensor | None = None,  # [R, V]
+    add: torch.Tensor | None = None,  # [R, V] shared by the R's D rows
 ) -> tuple[torch.Tensor, ...]:
+    """The Triton side of :func:`depth_candidates`.  Up to ``k =
+    topk_lse_max_k(topk_pruned)`` the chunked top-k kernel
+    (:func:`~vllm_ddtree.kernels.topk_lse.topk_lse_triton`: exact ties by construction,
+    the non-finite flags from its own pass, ``add`` summed as it reads the logits, never
+    written out); above it the log-sum-exp kernel
+    (:func:`~vllm_ddtree.kernels.logsumexp.logsumexp_sanitize_triton`) and
+    ``torch.topk`` (whose ties resolve to the lowest indices on CUDA only).
+    ``inplace``: NaN/inf entries of ``draft_logits`` may be overwritten by their
+    sanitized values (``nonfinite`` is read before).  ``topk_pruned``: the top-k
+    kernel's variant (see :func:`build_tree`)."""
     R, D, V = draft_logits.shape
     x = draft_logits.reshape(R * D, V)
     if k <= topk_lse_max_k(topk_pruned):  # chunked top-k keys: exact ties by construction
         if add is not None and add.stride(1) != 1:
             add = add.contiguous()
-        lp, idx, _, nonfinite = topk_lse(x if x.is_contiguous() else x.contiguous(), k,
-                                         pruned=topk_pruned, return_nonfinite=True, add=add,
-                                         logprobs=True)
+        lp, idx, _, nonfinite = topk_lse_triton(
+            x if x.is_contiguous() else x.contiguous(), k, pruned=topk_pruned,
+            return_nonfinite=True, add=add, logprobs=True)
     else:
         if add is not None:  # written out: the fallback sanitizes in place
             x = (draft_logits.float() + add.float().unsqueeze(1)).view(R * D, V)
@@ -229,7 +253,7 @@ def _depth_candidates_cuda(
         nonfinite = ~torch.isfinite(x).all(dim=-1) if with_nonfinite else None
         if not inplace or not x.is_contiguous():
             x = x.clone()
-        lse = logsumexp_sanitize(x, sanitize_inplace=True)
+        lse = logsumexp_sanitize_triton(x, sanitize_inplace=True)
         vals, idx = _topk_lowest_index(x, k)  # native dtype, index order
         vals, perm = torch.sort(vals.float(), dim=-1, descending=True, stable=True)
         idx = torch.gather(idx, -1, perm)
@@ -244,7 +268,6 @@ def build_tree(
     draft_logits: torch.Tensor,  # [R, D, V]
     budget: int | torch.Tensor,  # int, or [R] per-request budgets
     max_budget: int | None = None,
-    impl: str = "auto",
     inplace: bool = False,
     topk_pruned: bool = True,
 ) -> DraftTree:
@@ -256,54 +279,41 @@ def build_tree(
             per-request budgets, each ``<= max_budget``.
         max_budget: allocated width ``Bmax``.  Defaults to ``budget`` when it is an int;
             required for tensor budgets (reading their max would sync the device).
-        impl: ``"torch"`` (any device), ``"triton"`` (one kernel launch for the whole
-            expansion; widths up to a few hundred) or ``"auto"`` (Triton on CUDA when
-            the width fits, else torch).  Both give identical trees.
         inplace: allow overwriting NaN/inf entries of ``draft_logits`` (saves a copy
             on CUDA; the vLLM runners own their draft-logit buffers).
         topk_pruned: on CUDA, the per-depth top-k kernel's variant
             (:mod:`vllm_ddtree.kernels.topk_lse`): pruned (default; it halves the tree
             build at 32 requests x budget 15 on an H200, 1.36 -> 0.72 ms) or one pass.
             Both give identical trees.
+
+    The candidates come from :func:`depth_candidates`; the selection is
+    :func:`build_tree_triton` (one kernel launch for the whole expansion) where
+    :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and the width fits one
+    program (up to a few hundred nodes), else :func:`build_tree_torch`.  Both give
+    identical trees.
     """
-    if draft_logits.dim() != 3:
-        raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
-    R, D, V = draft_logits.shape
+    width = _tree_width(draft_logits, budget, max_budget)
+    D, V = draft_logits.shape[1:]
+    if use_triton(draft_logits) and triton_build_supported(D, min(width, V), width):
+        return build_tree_triton(draft_logits, budget, max_budget, inplace, topk_pruned)
+    return build_tree_torch(draft_logits, budget, max_budget, inplace, topk_pruned)
+
+
+def build_tree_torch(
+    draft_logits: torch.Tensor,  # [R, D, V]
+    budget: int | torch.Tensor,  # int, or [R] per-request budgets
+    max_budget: int | None = None,
+    inplace: bool = False,
+    topk_pruned: bool = True,
+) -> DraftTree:
+    """Reference of :func:`build_tree` (same arguments): each depth's selection in torch
+    (one ``topk`` of packed keys per depth), on any device and any width."""
+    cand = _build_candidates(draft_logits, budget, max_budget, inplace, topk_pruned)
+    if isinstance(cand, DraftTree):
+        return cand
+    lp, tok, top1, nonfinite, width, per_req = cand
+    R, D, K = lp.shape
     dev = draft_logits.device
-    if isinstance(budget, torch.Tensor):
-        if max_budget is None:
-            raise ValueError("build_tree: a tensor budget needs max_budget (the allocated width)")
-        width = int(max_budget)
-        per_req = budget.to(device=dev, dtype=torch.int64).clamp(0, width)
-    else:
-        width = int(budget if max_budget is None else max_budget)
-        if int(budget) > width:
-            raise ValueError(f"build_tree: budget {budget} exceeds max_budget {width}")
-        per_req = torch.full((R,), int(budget), dtype=torch.int64, device=dev)
-    if width < 0:
-        raise ValueError(f"build_tree: budget must be >= 0, got {width}")
-
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"build_tree: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    if width == 0 or R == 0 or D == 0 or V == 0:
-        return DraftTree.empty(R, width, D, dev)
-
-    K = min(width, V)
-    lp, tok, nonfinite = depth_candidates(draft_logits, K, inplace, topk_pruned,
-                                          with_nonfinite=True)  # [R, D, K], [R, D]
-    top1, nonfinite = tok[:, :, 0], nonfinite.any(dim=1)  # [R, D], [R]
-
-    if impl != "torch":
-        ok = triton_build_supported(D, K, width)
-        if impl == "triton" or (ok and draft_logits.is_cuda):
-            if not ok:
-                raise ValueError(f"build_tree: impl='triton' does not support D={D}, "
-                                 f"K={K}, width={width}")
-            token_ids, parents, depths, scores, num_nodes = tree_build_triton(
-                lp, tok, width, per_req)
-            return DraftTree(token_ids, parents, depths, num_nodes, scores, D, top1,
-                             nonfinite)
-
     empty = DraftTree.empty(R, width, D, dev)
     empty.top1, empty.nonfinite = top1, nonfinite
 
@@ -323,6 +333,86 @@ def build_tree(
         tokens.append(torch.gather(tok[:, d, :], 1, code % K))
         scores.append(unpack_scores(top))
     return assemble_tree(scores, parent_pos, tokens, per_req, empty)
+
+
+def build_tree_triton(
+    draft_logits: torch.Tensor,  # [R, D, V]
+    budget: int | torch.Tensor,  # int, or [R] per-request budgets
+    max_budget: int | None = None,
+    inplace: bool = False,
+    topk_pruned: bool = True,
+) -> DraftTree:
+    """The Triton side of :func:`build_tree` (same arguments): the whole selection in
+    one launch (:func:`~vllm_ddtree.kernels.tree_build.tree_build_triton`).  Raises
+    ``ValueError`` where Triton is missing or the width's sorts do not fit one program
+    (:func:`~vllm_ddtree.kernels.tree_build.triton_build_supported`)."""
+    cand = _build_candidates(draft_logits, budget, max_budget, inplace, topk_pruned)
+    if isinstance(cand, DraftTree):
+        return cand
+    lp, tok, top1, nonfinite, width, per_req = cand
+    D, K = lp.shape[1:]
+    if not triton_build_supported(D, K, width):
+        raise ValueError(f"build_tree_triton: does not support D={D}, K={K}, "
+                         f"width={width}")
+    token_ids, parents, depths, scores, num_nodes = tree_build_triton(lp, tok, width, per_req)
+    return DraftTree(token_ids, parents, depths, num_nodes, scores, D, top1, nonfinite)
+
+
+class _Candidates(NamedTuple):
+    """The per-depth candidates both builds select from, and the build's by-products."""
+
+    lp: torch.Tensor  # [R, D, K] float32 log-probabilities, best first
+    tok: torch.Tensor  # [R, D, K] int64 their token ids
+    top1: torch.Tensor  # [R, D] int64 each depth's best token
+    nonfinite: torch.Tensor  # [R] bool the draft logits held NaN/inf
+    width: int  # allocated width
+    per_req: torch.Tensor  # [R] int64 per-request budgets
+
+
+def _tree_width(
+    draft_logits: torch.Tensor,  # [R, D, V]
+    budget: int | torch.Tensor,
+    max_budget: int | None,
+) -> int:
+    """The allocated width of :func:`build_tree`'s trees; checks the arguments (host
+    only: no device work)."""
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
+    if isinstance(budget, torch.Tensor):
+        if max_budget is None:
+            raise ValueError("build_tree: a tensor budget needs max_budget (the allocated width)")
+        width = int(max_budget)
+    else:
+        width = int(budget if max_budget is None else max_budget)
+        if int(budget) > width:
+            raise ValueError(f"build_tree: budget {budget} exceeds max_budget {width}")
+    if width < 0:
+        raise ValueError(f"build_tree: budget must be >= 0, got {width}")
+    return width
+
+
+def _build_candidates(
+    draft_logits: torch.Tensor,  # [R, D, V]
+    budget: int | torch.Tensor,
+    max_budget: int | None,
+    inplace: bool,
+    topk_pruned: bool,
+) -> DraftTree | _Candidates:
+    """What both builds start from: the empty trees where there is nothing to select,
+    else the :class:`_Candidates` (``K = min(width, V)`` per depth)."""
+    width = _tree_width(draft_logits, budget, max_budget)
+    R, D, V = draft_logits.shape
+    dev = draft_logits.device
+    if isinstance(budget, torch.Tensor):
+        per_req = budget.to(device=dev, dtype=torch.int64).clamp(0, width)
+    else:
+        per_req = torch.full((R,), int(budget), dtype=torch.int64, device=dev)
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return DraftTree.empty(R, width, D, dev)
+    K = min(width, V)
+    lp, tok, nonfinite = depth_candidates(draft_logits, K, inplace, topk_pruned,
+                                          with_nonfinite=True)  # [R, D, K], [R, D]
+    return _Candidates(lp, tok, tok[:, :, 0], nonfinite.any(dim=1), width, per_req)
 
 
 def assemble_tree(

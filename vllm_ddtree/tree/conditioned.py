@@ -18,7 +18,11 @@ The only new work is one distribution per kept parent: ``[R, B, V]`` logits per 
 (on CUDA the Markov bias is the only one written; the top-k kernel adds the depth's base
 logits as it reads it).
 
-Oracle: :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
+:func:`build_conditioned_tree` picks each depth's selection in torch
+(:func:`build_conditioned_tree_torch`, the reference) or in one Triton launch
+(:func:`build_conditioned_tree_triton`) by
+:func:`~vllm_ddtree.kernels.triton_utils.use_triton`.  Oracle:
+:func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from vllm_ddtree.kernels.build_tables import (
     unpack_ties,
 )
 from vllm_ddtree.kernels.tree_build import select_children_supported, select_children_triton
+from vllm_ddtree.kernels.triton_utils import use_triton
 
 from .build import DraftTree, assemble_tree, depth_candidates
 
@@ -61,7 +66,6 @@ def build_conditioned_tree(
     bias: MarkovBias,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
-    impl: str = "auto",
 ) -> DraftTree:
     """The best-first DDTree of every request with parent-conditioned children.
 
@@ -71,18 +75,70 @@ def build_conditioned_tree(
     Python loop over depths only, no device-to-host copy.  ``top1`` is the drafter's own
     greedy chain (each depth's best token after the chain's previous one, which the tree
     may not hold), ``nonfinite`` flags requests whose logits held NaN/inf.
-    ``impl``: each depth's selection in torch, or ``"triton"``
-    (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`, one launch per
-    depth; the same tree); ``"auto"``: Triton on CUDA where its pair sort fits one
+
+    Each depth's selection is :func:`build_conditioned_tree_triton`'s one launch where
+    :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and its pair sort fits one
     program (a third less build time at D 16, V 49152, B 15 on an H200:
-    ``benchmarks.core_gpu --conditioned``), else torch.
+    ``benchmarks.core_gpu --conditioned``), else :func:`build_conditioned_tree_torch`'s;
+    the same tree.
     """
+    width = _width(base_logits, budget)
+    D, V = base_logits.shape[1:]
+    if use_triton(base_logits) and select_children_supported(D, min(width, V), width):
+        return build_conditioned_tree_triton(base_logits, root_tokens, bias, budget,
+                                             draft_to_target)
+    return build_conditioned_tree_torch(base_logits, root_tokens, bias, budget,
+                                        draft_to_target)
+
+
+def build_conditioned_tree_torch(
+    base_logits: torch.Tensor,  # [R, D, V_draft]
+    root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
+    bias: MarkovBias,
+    budget: int,
+    draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
+) -> DraftTree:
+    """Reference of :func:`build_conditioned_tree` (same arguments): each depth's
+    selection in torch (one ``topk`` of packed keys), on any device and any width."""
+    return _build(base_logits, root_tokens, bias, budget, draft_to_target, triton=False)
+
+
+def build_conditioned_tree_triton(
+    base_logits: torch.Tensor,  # [R, D, V_draft]
+    root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
+    bias: MarkovBias,
+    budget: int,
+    draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
+) -> DraftTree:
+    """The Triton side of :func:`build_conditioned_tree` (same arguments): each depth's
+    selection in one launch
+    (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`).  Raises
+    ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
+    program (:func:`~vllm_ddtree.kernels.tree_build.select_children_supported`)."""
+    return _build(base_logits, root_tokens, bias, budget, draft_to_target, triton=True)
+
+
+def _width(base_logits: torch.Tensor, budget: int) -> int:
+    """The trees' width; checks the arguments (host only)."""
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [R, D, V], got {tuple(base_logits.shape)}")
-    R, D, V = base_logits.shape
-    width, dev = int(budget), base_logits.device
+    width = int(budget)
     if width < 0:
         raise ValueError(f"build_conditioned_tree: budget must be >= 0, got {width}")
+    return width
+
+
+def _build(
+    base_logits: torch.Tensor,  # [R, D, V_draft]
+    root_tokens: torch.Tensor,  # [R] int64
+    bias: MarkovBias,
+    budget: int,
+    draft_to_target: torch.Tensor | None,  # [V_draft] int64
+    triton: bool,  # each depth's selection in one Triton launch, else in torch
+) -> DraftTree:
+    width = _width(base_logits, budget)
+    R, D, V = base_logits.shape
+    dev = base_logits.device
     out = DraftTree.empty(R, width, D, dev)
     if width == 0 or R == 0 or D == 0 or V == 0:
         return out
@@ -98,16 +154,9 @@ def build_conditioned_tree(
                                 with_nonfinite=True, add=base_logits[:, d, :])
 
     K = min(width, V)
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"build_conditioned_tree: impl must be 'auto', 'torch' or "
-                         f"'triton', got {impl!r}")
-    supported = select_children_supported(D, K, width)
-    if impl == "auto":
-        impl = "triton" if base_logits.is_cuda and supported else "torch"
-    use_triton = impl == "triton"
-    if use_triton and not supported:
-        raise ValueError(f"build_conditioned_tree: impl='triton' needs Triton and a "
-                         f"pair sort that fits one program (depth {D}, budget {width})")
+    if triton and not select_children_supported(D, K, width):
+        raise ValueError(f"build_conditioned_tree_triton: needs Triton and a pair sort "
+                         f"that fits one program (depth {D}, budget {width})")
     # depth 1: one distribution per request, conditioned on the root
     lp, tok, bad = candidates(0, root_tokens.view(R, 1))  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
@@ -115,7 +164,7 @@ def build_conditioned_tree(
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     # the pair table, as the Triton kernel reads it (int32) or for torch's index math
     pi_all, pr_all = pair_tensors(D, K, width, str(dev),
-                                  torch.int32 if use_triton else torch.int64)
+                                  torch.int32 if triton else torch.int64)
     npairs = pair_layout(D, K, width)[2]
     # every kept node of depth d - 1 is a parent with its own distribution; the chain's
     # last token rides along as one more parent (column n), outside the pairs
@@ -124,7 +173,7 @@ def build_conditioned_tree(
         n = tokens[-1].shape[1]
         lp, tok, bad = candidates(d, parents)
         nonfinite = nonfinite | bad.any(dim=1)
-        if use_triton:  # one launch: the same selection, and the next depth's parents
+        if triton:  # one launch: the same selection, and the next depth's parents
             kept_scores, ppos, kept, parents = select_children_triton(
                 scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, draft_to_target)
             chain.append(parents[:, -1])
