@@ -42,8 +42,9 @@ def _check_version() -> Check:
         installed = version.installed_vllm_version()
     except Exception as e:  # vLLM missing or broken
         return Check("vLLM", False, f"cannot import vllm: {e!r}")
-    supported = version.is_supported_version(installed)
-    detail = f"{installed} ({'supported' if supported else 'NOT supported'}; "
+    problem = version.support_problem(installed, version.vllm_on_cpu())
+    supported = problem is None
+    detail = f"{installed} ({'supported' if supported else 'NOT supported: ' + problem}; "
     detail += f"supported: {version.supported_versions_text()})"
     if not supported and envs.VLLM_DDTREE_SKIP_VERSION_CHECK:
         detail += " -- VLLM_DDTREE_SKIP_VERSION_CHECK=1, continuing"

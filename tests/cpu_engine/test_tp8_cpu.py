@@ -55,7 +55,8 @@ def _worker_facts(wrapper: Any) -> tuple[int, bool, bool, str, int]:
     from vllm_ddtree import version
 
     return (os.getpid(), vllm_ddtree._registered,
-            version.is_supported_version(version.installed_vllm_version()),
+            version.support_problem(version.installed_vllm_version(),
+                                    version.vllm_on_cpu()) is None,
             type(wrapper.worker).__name__, get_tensor_model_parallel_rank())
 
 

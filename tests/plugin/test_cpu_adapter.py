@@ -41,7 +41,8 @@ def test_unpack_blocks_inverts_vllm_packing(isa, dtype, bs, hd):
 def _layer(isa="vec", **impl_attrs):
     impl = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)
     base = dict(alibi_slopes=None, sliding_window=-1, sinks=None, logits_soft_cap=None,
-                is_fp8_kv_cache=False, kv_sharing_target_layer_name=None)
+                is_fp8_kv_cache=False, kv_cache_dtype="auto",
+                kv_sharing_target_layer_name=None)
     base.update(impl_attrs)
     for name, value in base.items():
         setattr(impl, name, value)
@@ -52,10 +53,14 @@ def test_unsupported_layers_refused_at_load():
     check_supported("ok", _layer())
     with pytest.raises(NotImplementedError, match="ISA 'neon'"):
         check_supported("l0", _layer(isa="neon"))
-    with pytest.raises(NotImplementedError, match="sliding window"):
+    with pytest.raises(NotImplementedError, match="l1 uses sliding-window attention"):
         check_supported("l1", _layer(sliding_window=128))
-    with pytest.raises(NotImplementedError, match="fp8 KV cache"):
-        check_supported("l2", _layer(is_fp8_kv_cache=True))
+    with pytest.raises(NotImplementedError, match="an fp8 KV cache"):
+        check_supported("l2", _layer(is_fp8_kv_cache=True, kv_cache_dtype="fp8_e4m3"))
+    with pytest.raises(NotImplementedError, match="a quantized KV cache"):  # not fp8
+        check_supported("l3", _layer(is_fp8_kv_cache=True, kv_cache_dtype="int8"))
+    with pytest.raises(NotImplementedError, match="ALiBi; attention sinks; .*ISA 'neon'"):
+        check_supported("l4", _layer(isa="neon", alibi_slopes=torch.ones(4), sinks=1))
 
 
 def _draft_tree(tokens, parents, depths):

@@ -36,11 +36,10 @@ def _inputs():
 def test_patched_context_k_norm_is_per_layer():
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    import vllm_ddtree  # noqa: F401  (registers the plugin: applies the ledger)
-    from vllm_ddtree import _patch
+    import vllm_ddtree
 
     _skip_off_cpu()
-    _patch.apply_all()
+    vllm_ddtree.register()  # applies the ledger
     owner, all_k = _inputs()
     got = DFlashQwen3Model._normalize_context_k(owner, all_k)
     want = _per_layer_reference(all_k, owner._k_norm_weights, owner._rms_norm_eps)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vllm_ddtree
-from vllm_ddtree.config import DDTreeParams, attach_params, ddtree_params, is_ddtree
+from vllm_ddtree.config import ddtree_params, is_ddtree
 from vllm_ddtree.testing import dspark_fixture as dx
 from vllm_ddtree.testing import fixtures as fx
 
@@ -79,24 +78,3 @@ def test_dspark_depth_bound(root, on_gpu) -> None:
 def test_dspark_is_refused_on_cpu(root) -> None:
     with pytest.raises(ValueError, match="with a DSpark drafter runs on GPUs only"):
         spec(root)
-
-
-def test_gpu_runner_selects_the_dspark_tree_speculator(monkeypatch) -> None:
-    from vllm_ddtree._patch.gpu_runner import make_init_speculator
-    from vllm_ddtree.gpu import dspark_speculator, speculator
-
-    monkeypatch.setattr(dspark_speculator, "DDTreeDSparkSpeculator",
-                        lambda config, device: ("dspark", device))
-    monkeypatch.setattr(speculator, "DDTreeSpeculator",
-                        lambda config, device: ("dflash", device))
-    init = make_init_speculator(lambda config, device: ("vllm", device))
-
-    def config(method: str, ddtree: bool) -> Any:
-        spec = SimpleNamespace(method=method)
-        if ddtree:
-            attach_params(spec, DDTreeParams(8, 8, dspark=method == "dspark"))
-        return SimpleNamespace(speculative_config=spec)
-
-    assert init(config("dspark", True), "dev") == ("dspark", "dev")
-    assert init(config("dflash", True), "dev") == ("dflash", "dev")
-    assert init(config("dspark", False), "dev") == ("vllm", "dev")

@@ -125,27 +125,35 @@ def run_py(code: str, env: dict[str, str] | None = None) -> subprocess.Completed
 # ------------------------------------------------------------ version gate
 
 
-@pytest.mark.parametrize(
-    "installed", ["0.26.0", "0.32.0+cpu", "0.33.1", "0.33.0rc1", "0.32.1.dev3+gabc"]
-)
-def test_version_gate_accepts(installed: str) -> None:
-    version.check_vllm_version(installed)
-    assert version.is_supported_version(installed)
+@pytest.mark.parametrize(("installed", "on_cpu"), [
+    ("0.32.0+cpu", True), ("0.32.1.dev3+gabc", True), ("0.34.0", False), ("0.34.1rc1", False),
+])
+def test_version_gate_accepts(installed: str, on_cpu: bool) -> None:
+    version.check_vllm_version(installed, on_cpu)
+    assert version.support_problem(installed, on_cpu) is None
 
 
-@pytest.mark.parametrize("installed", ["0.31.0", "0.34.0", "0.25.2", "1.0.0", "nonsense"])
-def test_version_gate_rejects(installed: str) -> None:
+@pytest.mark.parametrize(("installed", "on_cpu", "detail"), [
+    ("0.26.0", False, "supported vLLM versions are"),
+    ("0.33.1", False, "supported vLLM versions are"),
+    ("0.31.0", True, "supported vLLM versions are"),
+    ("1.0.0", False, "supported vLLM versions are"),
+    ("nonsense", True, "supported vLLM versions are"),
+    ("0.34.0", True, "on a CPU, vllm-ddtree supports vLLM 0.32.x"),  # no CPU build exists
+    ("0.32.0", False, "on a GPU, vllm-ddtree supports vLLM 0.34.x"),  # never run on a GPU
+])
+def test_version_gate_rejects(installed: str, on_cpu: bool, detail: str) -> None:
     with pytest.raises(RuntimeError) as info:
-        version.check_vllm_version(installed)
+        version.check_vllm_version(installed, on_cpu)
     message = str(info.value)
-    assert repr(installed) in message
-    assert "0.26.x, 0.32.x, 0.33.x" in message
+    assert repr(installed) in message and detail in message
+    assert "0.32.x (CPU), 0.34.x (GPU)" in message
     assert "VLLM_DDTREE_SKIP_VERSION_CHECK=1" in message
 
 
 def test_parse_version() -> None:
     assert version.parse_version("0.32.0+cpu") == (0, 32, 0)
-    assert version.parse_version("0.33") == (0, 33, 0)
+    assert version.parse_version("0.34") == (0, 34, 0)
     with pytest.raises(ValueError):
         version.parse_version("dev")
 
@@ -177,7 +185,8 @@ def test_register_idempotent() -> None:
     vllm_ddtree.register()
     assert SpeculativeConfig.__post_init__ is post_init
     assert SpeculativeConfig.__init__ is init
-    assert _patch.applied_names() == tuple(e.name for e in _patch.LEDGER)
+    assert _patch.applied_names() == tuple(
+        e.name for e in _patch.entries_for(version.adapter()) if e.apply is not None)
 
 
 def test_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,7 +216,9 @@ def test_register_rejects_unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> N
         assert _patch.applied_names() == ()
         monkeypatch.setenv("VLLM_DDTREE_SKIP_VERSION_CHECK", "1")
         vllm_ddtree.register()
-        assert _patch.applied_names() == tuple(e.name for e in _patch.LEDGER)
+        adapter = version.adapter()
+        assert _patch.applied_names() == tuple(
+            e.name for e in _patch.entries_for(adapter) if e.apply is not None)
     finally:
         vllm_ddtree.register()
 

@@ -19,7 +19,7 @@ process, the API server's included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
@@ -87,7 +87,3 @@ class DDTreeSpeculatorConfig(DFlashSpeculatorConfig):
     def max_num_draft_seqs(self, max_num_batched_tokens: int) -> int:
         # the drafter pass has one block of queries per request, whatever the budget
         return max_num_batched_tokens // self._drafter_queries
-
-    def hash_factors(self) -> list[Any]:
-        # the drafter's graph depends on the depth (its query rows per request)
-        return [ddcfg.ddtree_params(self.spec_config).depth]
