@@ -1,14 +1,15 @@
-"""``store_trees``: the one-launch Triton kernel (TRITON_INTERPRET=1 on CPU) equals its
-torch reference exactly, and ``TreeBuffers.store_batch`` (which passes it the tree
-build's own NaN/inf mask and chain) writes what the logits themselves say."""
+"""``store_trees``: the one-launch Triton kernel (``store_trees_triton``,
+TRITON_INTERPRET=1 on CPU) equals its torch reference (``store_trees_torch``) exactly, and
+``TreeStates.store_batch`` (which passes it the tree build's own NaN/inf mask and chain)
+writes what the logits themselves say."""
 
 import os
 
 import pytest
 import torch
 
-from vllm_ddtree.gpu.buffers import TreeBuffers
-from vllm_ddtree.gpu.tree_store import store_trees
+from vllm_ddtree.gpu.tree_state import TreeStates
+from vllm_ddtree.gpu.tree_store import store_trees, store_trees_torch, store_trees_triton
 from vllm_ddtree.tree import build_tree
 
 needs_interp = pytest.mark.skipif(
@@ -42,9 +43,9 @@ def _outputs(S: int, B: int, D: int, draft_dtype: torch.dtype) -> list[torch.Ten
             full((S, W, NW), torch.int32), full((S, D))]
 
 
-def _run(impl, tree, bad, top1, outs):
+def _run(store, tree, bad, top1, outs):
     args = [t.to(DEV) for t in (tree.token_ids, tree.parents, tree.depths, bad, top1)]
-    store_trees(*args, *outs, impl=impl)
+    store(*args, *outs)
 
 
 @needs_interp
@@ -61,8 +62,8 @@ def test_triton_matches_reference(B, D, draft_dtype):
     assert B == 1 or not top1.is_contiguous()  # one candidate per depth: contiguous
     inputs = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
     ref, got = (_outputs(R + extra, B, D, draft_dtype) for _ in range(2))
-    _run("torch", tree, bad, top1, ref)
-    _run("triton", tree, bad, top1, got)
+    _run(store_trees_torch, tree, bad, top1, ref)
+    _run(store_trees_triton, tree, bad, top1, got)
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
         assert torch.all(g[R:] == SENTINEL)  # rows >= R untouched
@@ -88,9 +89,9 @@ def test_chain_sets_the_sign_bit():
     tree.depths[0] = torch.arange(1, B + 1)
     bad = torch.tensor([False])
     top1 = torch.arange(D).unsqueeze(0)
-    for impl in ("torch", "triton"):
+    for store in (store_trees_torch, store_trees_triton):
         outs = _outputs(2, B, D, torch.int64)
-        _run(impl, tree, bad, top1, outs)
+        _run(store, tree, bad, top1, outs)
         bits = outs[4].cpu()
         assert bits[0, 0].tolist() == [1, 0]
         assert bits[0, 30].tolist() == [2**31 - 1, 0]
@@ -103,9 +104,10 @@ def test_chain_sets_the_sign_bit():
 @pytest.mark.parametrize("D", [1, 4])
 @pytest.mark.parametrize("B", [1, 15, 100])
 def test_reference_matches_store_batch(B, D):
-    """``store_batch`` passes ``store_trees`` the build's by-products (``tree.nonfinite``,
-    ``tree.top1``): its buffers equal ``store_trees`` given the mask and the argmax read
-    from the logits themselves (Triton too, where it runs)."""
+    """``TreeStates.store_batch`` passes ``store_trees`` the build's by-products
+    (``tree.nonfinite``, ``tree.top1``): its buffers equal ``store_trees_torch`` given the
+    mask and the argmax read from the logits themselves (``store_trees_triton`` too,
+    where it runs)."""
     R, S = 5, 7
     logits = _logits(R, D, seed=7 * B + D)
     logits[1, D - 1, 3] = float("nan")
@@ -115,24 +117,24 @@ def test_reference_matches_store_batch(B, D):
     top1 = logits.argmax(dim=-1)
     tokens = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
 
-    tb = TreeBuffers(max_num_reqs=S, max_num_tokens=64, budget=B, max_depth=D, device="cpu")
-    fresh = [t.clone() for t in (tb.batch_walk_tokens, tb.batch_parents, tb.batch_depths,
-                                 tb.batch_ancestor_bits, tb.batch_chain)]
+    ts = TreeStates(max_num_reqs=S, budget=B, max_depth=D, device="cpu")
+    batch = (ts._batch_walk_tokens, ts._batch_parents, ts._batch_depths,
+             ts._batch_ancestor_bits, ts._batch_chain)  # what store_batch writes
+    fresh = [t.clone() for t in batch]
     draft_tokens = torch.full((S, B), SENTINEL, dtype=torch.int32)
-    tb.store_batch(tree, logits, draft_tokens)
-    want = [draft_tokens, tb.batch_walk_tokens, tb.batch_parents, tb.batch_depths,
-            tb.batch_ancestor_bits, tb.batch_chain]
-    assert int(tb.num_nonfinite) == 2
+    ts.store_batch(tree, logits, draft_tokens)
+    want = [draft_tokens, *batch]
+    assert int(ts.num_nonfinite) == 2
 
-    impls = ["torch"]
+    stores = [store_trees_torch]
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
-        impls.append("triton")
-    for impl in impls:
+        stores.append(store_trees_triton)
+    for store in stores:
         outs = [torch.full((S, B), SENTINEL, dtype=torch.int32)] + [t.clone() for t in fresh]
         outs = [t.to(DEV) for t in outs]
-        store_trees(*(t.to(DEV) for t in (*tokens, bad, top1)), *outs, impl=impl)
+        store(*(t.to(DEV) for t in (*tokens, bad, top1)), *outs)
         for w, o in zip(want, outs):
-            assert torch.equal(w, o.cpu()), impl
+            assert torch.equal(w, o.cpu()), store.__name__
 
 
 def test_rejects_mismatched_outputs():
@@ -141,4 +143,4 @@ def test_rejects_mismatched_outputs():
     outs[3] = outs[3][:, :-1]  # depths must have B + 1 columns
     with pytest.raises(ValueError, match="not"):
         store_trees(tree.token_ids, tree.parents, tree.depths, torch.zeros(2, dtype=torch.bool),
-                    torch.zeros(2, 3, dtype=torch.int64), *outs, impl="torch")
+                    torch.zeros(2, 3, dtype=torch.int64), *outs)

@@ -1,7 +1,9 @@
 """Tree verification at T > 0 with one full-vocabulary draw per request
-(:mod:`vllm_ddtree.gpu.verify_sampling`): the Triton choice kernel against its torch
-reference, the keyed uniforms, and the whole scheme (choose -> walk -> stop draw) against
-the exact distribution of the per-row rule, with a mutation that the test catches."""
+(:mod:`vllm_ddtree.gpu.verify_sampling`): the Triton choice kernel
+(``choose_children_triton``) against its torch reference, the keyed uniforms, the stop
+draw's launcher against its reference, and the whole scheme (choose -> walk -> stop draw)
+against the exact distribution of the per-row rule, with a mutation that the test
+catches."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_ddtree.gpu.buffers import TreeBuffers
+from vllm_ddtree.gpu.tree_state import TreeStates
 from vllm_ddtree.gpu.verify_sampling import (
     NO_CHILD,
-    choose_children,
     choose_children_torch,
+    choose_children_triton,
     draw_stop_tokens,
+    draw_stop_tokens_torch,
+    draw_stop_tokens_triton,
 )
 from vllm_ddtree.tree import build_tree
 
@@ -28,17 +32,17 @@ needs_triton = pytest.mark.skipif(
 P_MIN = 1e-3
 
 
-def _buffers(num_states: int, budget: int, depth: int, draft_logits: torch.Tensor,
-             chain_rows: list[int] = ()) -> TreeBuffers:
+def _trees(num_states: int, budget: int, depth: int, draft_logits: torch.Tensor,
+           chain_rows: list[int] = ()) -> TreeStates:
     """Request states 0..n-1 hold the trees of ``draft_logits [n, depth, V]``."""
-    tb = TreeBuffers(num_states, 8, budget, depth, "cpu")
+    ts = TreeStates(num_states, budget, depth, "cpu")
     n = draft_logits.shape[0]
     draft_tokens = torch.zeros(num_states, budget, dtype=torch.int64)
-    tb.store_batch(build_tree(draft_logits, budget), draft_logits, draft_tokens)
+    ts.store_batch(build_tree(draft_logits, budget), draft_logits, draft_tokens)
     if chain_rows:
-        tb.apply_chain_fallback(torch.tensor(chain_rows), draft_tokens)
-    tb.commit(torch.arange(n, dtype=torch.int32), n)
-    return tb
+        ts.apply_chain_fallback(torch.tensor(chain_rows), draft_tokens)
+    ts.commit(torch.arange(n, dtype=torch.int32), n)
+    return ts
 
 
 def _rows(num_reqs: int, width: int, states=None):
@@ -60,24 +64,24 @@ def test_choice_kernel_matches_reference(seed, V, budget):
     choice equals the reference's, row for row.  Chunked stats (V > 4096) included."""
     g = torch.Generator().manual_seed(seed)
     R, D = 3, 4
-    tb = _buffers(R, budget, D, torch.randn(R, D, V, generator=g) * 2, chain_rows=[2])
+    ts = _trees(R, budget, D, torch.randn(R, D, V, generator=g) * 2, chain_rows=[2])
     width = budget + 1
     states, local, positions, _ = _rows(R, width)
     logits = (torch.randn(R * width, V, generator=g) * 3).bfloat16().float()
     logits[:, V // 2:] = logits[:, V // 2:].masked_fill(
         torch.rand(R * width, V - V // 2, generator=g) < 0.3, float("-inf"))
     # make the drafted tokens likely, so that children are chosen often
-    tokens = tb.walk_tokens[states.long()].clamp(min=0)
+    tokens = ts.walk_tokens[states.long()].clamp(min=0)
     logits.scatter_(1, tokens, 14.0 + torch.randn(tokens.shape, generator=g).bfloat16().float())
     temperature = torch.tensor([0.0, 1.0, 1.0])  # state 0 greedy
     uniforms = torch.rand(R * width, generator=g)
     uniforms[::7] = 0.0
-    want = choose_children_torch(logits, states, local, temperature, tb.walk_tokens,
-                                 tb.parents, uniforms)
-    got = choose_children(logits.to(DEV), states.to(DEV), local.to(DEV), positions.to(DEV),
-                          temperature.to(DEV), torch.zeros(R, dtype=torch.int64, device=DEV),
-                          tb.walk_tokens.to(DEV), tb.parents.to(DEV), uniforms.to(DEV),
-                          impl="triton")
+    want = choose_children_torch(logits, states, local, temperature, ts.walk_tokens,
+                                 ts.parents, uniforms)
+    got = choose_children_triton(
+        logits.to(DEV), states.to(DEV), local.to(DEV), positions.to(DEV),
+        temperature.to(DEV), torch.zeros(R, dtype=torch.int64, device=DEV),
+        ts.walk_tokens.to(DEV), ts.parents.to(DEV), uniforms.to(DEV))
     assert got.cpu().tolist() == want.tolist()
     greedy = want[:width]
     assert greedy.tolist() == logits[:width].argmax(dim=-1).tolist()
@@ -90,9 +94,8 @@ def test_keyed_uniforms():
     keys give the same choices; over 600 positions a child of probability 0.3 is chosen
     at 0.3 (binomial, 4.5 sigma) and the choice depends on the seed."""
     V, n = 16, 600
-    tb = TreeBuffers(2, 8, 1, 1, "cpu")
-    tb.walk_tokens[:, 0] = 5  # one node, child of the root, token 5
-    tb.parents[:, 0] = 0
+    walk_tokens = torch.full((2, 1), 5)  # one node, child of the root, token 5
+    parents = torch.zeros((2, 1), dtype=torch.int64)
     logits = torch.full((n, V), float("-inf"))
     logits[:, 5] = torch.tensor(0.3).log()
     logits[:, 6] = torch.tensor(0.7).log()
@@ -103,10 +106,9 @@ def test_keyed_uniforms():
 
     def run(seed):
         seeds = torch.full((2,), seed, dtype=torch.int64)
-        return choose_children(logits.to(DEV), states.to(DEV), local.to(DEV),
-                               positions.to(DEV), temperature.to(DEV), seeds.to(DEV),
-                               tb.walk_tokens.to(DEV), tb.parents.to(DEV),
-                               impl="triton").cpu()
+        return choose_children_triton(logits.to(DEV), states.to(DEV), local.to(DEV),
+                                      positions.to(DEV), temperature.to(DEV), seeds.to(DEV),
+                                      walk_tokens.to(DEV), parents.to(DEV)).cpu()
 
     a, b, c = run(1234), run(1234), run(99)
     assert torch.equal(a, b)
@@ -146,20 +148,20 @@ def _scheme_counts(seed: int, mask_children: bool) -> tuple[Counter, dict, int]:
     g = torch.Generator().manual_seed(seed)
     N, V, budget, D = 20000, 5, 6, 3
     draft = torch.tensor([[3.0, 2.5, 0.0, -1.0, -2.0]] * D)  # a bushy tree over 0 and 1
-    tb = _buffers(N, budget, D, draft.expand(N, D, V).clone())
+    ts = _trees(N, budget, D, draft.expand(N, D, V).clone())
     width = budget + 1
     probs = torch.softmax(torch.randn(width, V, generator=g) * 1.5, dim=-1)  # per row
     states, local, positions, cu = _rows(N, width)
     logits = probs.log().repeat(N, 1)
-    choices = choose_children_torch(logits, states, local, torch.ones(N), tb.walk_tokens,
-                                    tb.parents, torch.rand(N * width, generator=g))
-    sampled, acc = tb.walk(choices, cu, torch.arange(N, dtype=torch.int32), N, impl="torch")
-    parents = tb.parents if mask_children else torch.full_like(tb.parents, -1)
+    choices = choose_children_torch(logits, states, local, torch.ones(N), ts.walk_tokens,
+                                    ts.parents, torch.rand(N * width, generator=g))
+    sampled, acc = ts.walk(choices, cu, torch.arange(N, dtype=torch.int32), N)
+    parents = ts.parents if mask_children else torch.full_like(ts.parents, -1)
     draw_stop_tokens(logits, choices, sampled, acc.path, acc.num_accepted, cu,
-                     torch.arange(N, dtype=torch.int32), positions, tb.walk_tokens, parents,
+                     torch.arange(N, dtype=torch.int32), positions, ts.walk_tokens, parents,
                      lambda rows, s, p: _race(rows, s, p, g))
     seqs = Counter(tuple(sampled[b, : int(acc.num_accepted[b])].tolist()) for b in range(N))
-    exact = _exact(probs, tb.walk_tokens[0].tolist(), tb.parents[0].tolist())
+    exact = _exact(probs, ts.walk_tokens[0].tolist(), ts.parents[0].tolist())
     return seqs, exact, N
 
 
@@ -195,9 +197,8 @@ def test_scheme_test_catches_an_unmasked_stop_draw():
 def test_stop_draw_replaces_only_no_child_stops():
     """A stop on NO_CHILD takes the draw (children masked); a stop on a chosen but
     unscheduled child keeps that child's token; greedy argmax stops stay."""
-    tb = TreeBuffers(3, 8, 2, 2, "cpu")
-    tb.walk_tokens[:] = torch.tensor([4, 7])
-    tb.parents[:] = torch.tensor([0, 0])  # two children of the root
+    walk_tokens = torch.tensor([[4, 7]] * 3)
+    parents = torch.zeros((3, 2), dtype=torch.int64)  # two children of the root
     cu = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
     choices = torch.tensor([NO_CHILD, 0, 0, 7, 0, 0, 2, 0, 0])
     sampled = torch.tensor([[NO_CHILD, -1, -1], [7, -1, -1], [2, -1, -1]])
@@ -210,8 +211,8 @@ def test_stop_draw_replaces_only_no_child_stops():
 
     logits = torch.zeros(9, 10)
     draw_stop_tokens(logits, choices, sampled, path, torch.ones(3, dtype=torch.int64), cu,
-                     torch.arange(3, dtype=torch.int32), torch.arange(9), tb.walk_tokens,
-                     tb.parents, draw)
+                     torch.arange(3, dtype=torch.int32), torch.arange(9), walk_tokens,
+                     parents, draw)
     assert sampled[:, 0].tolist() == [9, 7, 2]
     assert torch.isneginf(seen[0][:, [4, 7]]).all() and seen[0][:, [0, 5, 9]].eq(0).all()
 
@@ -220,19 +221,19 @@ def test_stop_draw_replaces_only_no_child_stops():
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31), (700, 200)])
 def test_stop_draw_kernel_matches_torch(seed, V, budget):
-    """The two-launch stop draw (impl="triton") hands the draw the same rows (children at
-    -inf) and positions as the torch one, and writes the same tokens."""
+    """The two-launch stop draw (``draw_stop_tokens_triton``) hands the draw the same rows
+    (children at -inf) and positions as the torch one, and writes the same tokens."""
     g = torch.Generator().manual_seed(seed)
     R, D = 5, 4
-    tb = _buffers(R, budget, D, torch.randn(R, D, V, generator=g) * 3)
+    ts = _trees(R, budget, D, torch.randn(R, D, V, generator=g) * 3)
     states = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)  # batch rows -> states
     width = budget + 1
     expanded, local, positions, cu = _rows(R, width, states.long())
     logits = torch.randn(R * width, V, generator=g)
     temperature = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])  # states 1 and 3 greedy
-    choices = choose_children_torch(logits, expanded, local, temperature, tb.walk_tokens,
-                                    tb.parents, torch.rand(R * width, generator=g))
-    sampled, acc = tb.walk(choices, cu, states, R, impl="torch")
+    choices = choose_children_torch(logits, expanded, local, temperature, ts.walk_tokens,
+                                    ts.parents, torch.rand(R * width, generator=g))
+    sampled, acc = ts.walk(choices, cu, states, R)
     stop_rows = cu[:-1].long() + acc.path.gather(1, (acc.num_accepted - 1)[:, None])[:, 0]
     need = choices[stop_rows] == NO_CHILD
     assert need.any() and not need.all()  # draws, and greedy stops that keep their token
@@ -245,12 +246,12 @@ def test_stop_draw_kernel_matches_torch(seed, V, budget):
         return fn
 
     out = {}
-    for impl in ("torch", "triton"):
+    for impl, stop in (("torch", draw_stop_tokens_torch), ("triton", draw_stop_tokens_triton)):
         out[impl] = sampled.clone().to(DEV)
-        draw_stop_tokens(*(t.to(DEV) for t in (logits, choices)), out[impl],
-                         *(t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states,
-                                               positions, tb.walk_tokens, tb.parents)),
-                         draw(impl), impl=impl)
+        stop(*(t.to(DEV) for t in (logits, choices)), out[impl],
+             *(t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states, positions,
+                                   ts.walk_tokens, ts.parents)),
+             draw(impl))
     for a, b in zip(seen["torch"], seen["triton"]):
         assert torch.equal(a.contiguous(), b)
     assert torch.isneginf(seen["triton"][0]).any()  # children masked

@@ -1,19 +1,19 @@
-"""Per-step verify-row metadata (ancestor bits, tree RoPE positions) and KV compaction on
-a fake paged cache: Triton kernels (TRITON_INTERPRET=1 on CPU) against torch references,
-and the references against first principles."""
+"""Per-step verify-row metadata (ancestor bits, tree RoPE positions, prefix lengths) and
+the commit of batch rows to request states (:mod:`vllm_ddtree.gpu.rows`): the Triton
+launchers (``*_triton``, TRITON_INTERPRET=1 on CPU) against the torch references
+(``*_torch``), and the references against first principles."""
 
 import os
 
 import pytest
 import torch
 
-from vllm_ddtree.gpu.verify_rows import (
-    KVCompactor,
+from vllm_ddtree.gpu.rows import (
     causal_words,
-    commit_states,
-    compact_kv_torch,
-    fill_tree_rows,
-    hidden_row_perm,
+    commit_states_torch,
+    commit_states_triton,
+    fill_tree_rows_torch,
+    fill_tree_rows_triton,
 )
 from vllm_ddtree.tree import build_tree, tree_layout
 
@@ -54,22 +54,21 @@ def _batch(seed=0, B=40, D=4, S=6):
                 depth_by_state=lay.depths.contiguous()), lay, q_lens, T
 
 
-def _fill(args, impl, device="cpu"):
+def _fill(args, fill, device="cpu"):
     a = {k: v.to(device) for k, v in args.items()}
     NW, T = a["bits_by_state"].shape[2], a["positions"].shape[0]
     out = dict(out_bits=torch.full((T, NW), 123, dtype=torch.int32, device=device),
                out_positions=torch.full((T,), -7, dtype=torch.int64, device=device),
                out_prefix_lens=torch.full((8,), -7, dtype=torch.int32, device=device),
                out_query_end=torch.full((8,), -7, dtype=torch.int32, device=device))
-    fill_tree_rows(**a, **out, num_reqs=5, num_reqs_padded=7, num_tokens_padded=T,
-                   impl=impl)
+    fill(**a, **out, num_reqs=5, num_reqs_padded=7, num_tokens_padded=T)
     return {k: v.cpu() for k, v in out.items()}
 
 
 def test_fill_reference_semantics():
     args, lay, q_lens, T = _batch()
     NW = lay.ancestor_bits.shape[2]
-    out = _fill(args, "torch")
+    out = _fill(args, fill_tree_rows_torch)
     bits, rope = out["out_bits"], out["out_positions"]
     qs = args["query_start"].tolist()
     # request 0: state 4's full tree; positions root + depth
@@ -95,7 +94,7 @@ def test_fill_reference_semantics():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_fill_triton_matches_reference(seed):
     args, _, _, _ = _batch(seed)
-    want, got = _fill(args, "torch"), _fill(args, "triton", DEV)
+    want, got = _fill(args, fill_tree_rows_torch), _fill(args, fill_tree_rows_triton, DEV)
     for name in want:
         assert torch.equal(want[name], got[name]), name
 
@@ -115,80 +114,12 @@ def test_commit_states_triton_matches_reference(budget):
     idx_long = torch.tensor([5, 0, 3, 6, 1], dtype=torch.int64)
     idx = idx_long[:n]
     outs = []
-    for impl in ("torch", "triton"):
+    for commit in (commit_states_torch, commit_states_triton):
         pairs = [(a.to(DEV), b.to(DEV).clone()) for a, b in zip(srcs, dsts)]
-        commit_states(idx_long.to(DEV), pairs, n, impl=impl)
+        commit(idx_long.to(DEV), pairs, n)
         outs.append([d.cpu() for _, d in pairs])
     for want, got, src, dst in zip(outs[0], outs[1], srcs, dsts):
         assert torch.equal(want, got)
         assert torch.equal(got[idx.long()], src[:n])
         rest = torch.tensor([s not in idx.tolist() for s in range(S)])
         assert torch.equal(got[rest], dst[rest])
-
-
-@needs_interp
-@pytest.mark.parametrize("num_rows", [1, 17, 300])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_hidden_row_perm_triton_matches_reference(num_rows, dtype):
-    """The one-launch permutation (a binary search in the increasing logits indices)
-    against the arange/gather/index_put reference: logits rows scattered among other
-    rows (prefill rows, padding), each taking a random logits row's token row."""
-    g = torch.Generator().manual_seed(num_rows)
-    num_logits = max(1, num_rows // 3)
-    li = torch.randperm(num_rows, generator=g)[:num_logits].sort().values.to(dtype)
-    src = torch.randint(0, num_logits, (num_logits,), generator=g)
-    want = hidden_row_perm(li, src, num_rows, 512, impl="torch")
-    got = hidden_row_perm(li.to(DEV), src.to(DEV), num_rows, 512, impl="triton").cpu()
-    assert torch.equal(want, got)
-    other = torch.ones(num_rows, dtype=torch.bool)
-    other[li.long()] = False
-    assert torch.equal(got[other], torch.arange(num_rows)[other])  # untouched rows
-
-
-def _paged(seed, L=3, nblocks=12, bs=16, H=2, width=8, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    # vLLM's FlashAttention cache: logical [blocks, H, bs, 2*hd] stored as [blocks, bs, H, 2*hd]
-    raws = [torch.randn(nblocks, bs, H, width, generator=g).to(dtype) for _ in range(L)]
-    return [r.permute(0, 2, 1, 3).transpose(1, 2) for r in raws]  # views [blocks, bs, H, w]
-
-
-def _plan():
-    # two tree requests (8 and 6 rows) and a 1-row request; slots scattered over blocks
-    slots = torch.tensor([17, 18, 19, 20, 21, 22, 23, 24, 100, 101, 102, 103, 104, 105, 60])
-    li = torch.arange(15)
-    cu = torch.tensor([0, 8, 14, 15], dtype=torch.int32)
-    path = torch.tensor([[0, 2, 3, 7, -1], [0, 1, 4, -1, -1], [0, -1, -1, -1, -1]])
-    nacc = torch.tensor([4, 3, 1])
-    return slots, li, cu, path, nacc
-
-
-def test_compaction_reference_semantics():
-    caches = _paged(0)
-    before = [c.clone() for c in caches]
-    slots, li, cu, path, nacc = _plan()
-    compact_kv_torch(caches, slots, li, cu, path, nacc, 3)
-
-    def row(c, s):
-        return c[s // 16, s % 16]
-
-    for c, b in zip(caches, before):
-        for i, src in enumerate([17, 19, 20, 24]):  # request 0: rows 0,2,3,7 -> 0..3
-            assert torch.equal(row(c, 17 + i), row(b, src))
-        for i, src in enumerate([100, 101, 104]):
-            assert torch.equal(row(c, 100 + i), row(b, src))
-        for s in [21, 22, 23, 24, 103, 104, 105, 60]:  # past the path: untouched
-            assert torch.equal(row(c, s), row(b, s))
-
-
-@needs_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compaction_triton_matches_reference(dtype):
-    ref = _paged(1, dtype=dtype)
-    got = [c.clone().to(DEV) for c in ref]
-    got = [g for g in got]
-    slots, li, cu, path, nacc = _plan()
-    compact_kv_torch(ref, slots, li, cu, path, nacc, 3)
-    comp = KVCompactor(got, impl="triton")
-    comp(slots.to(DEV), li.to(DEV), cu.to(DEV), path.to(DEV), nacc.to(DEV), 3)
-    for r, g in zip(ref, got):
-        assert torch.equal(r, g.cpu())
