@@ -11,11 +11,12 @@ Median of CUDA-event timings over 30 runs after 5 warm-ups, as eager launches an
 "(graph)" columns, replayed from a CUDA graph as vLLM runs them (the tree attention part:
 36 layers' launches in one graph). Columns: build (tree build + layout + store), fill
 (per-row metadata), topk/g (the tree build's per-depth top-k and log-sum-exp,
-``topk_lse`` at k = min(B, the variant's largest k)), walk (fused
-walk), compact36 (KV compaction over 36 layers, k = D), attn1 / attn36 (the Triton tree
-part of attention, 1 layer / 36 layers); "/g" = replayed from a CUDA graph; stop/torch
-and stop/triton (the T > 0 verify's stop draw, ``draw_stop_tokens``, eager as vLLM's
-sampler runs it, with a torch Gumbel draw standing in for vLLM's).
+``topk_lse_triton`` at k = min(B, the variant's largest k)), walk (fused walk,
+``walk_rows_triton``), compact36 (KV compaction over 36 layers, k = D), attn1 / attn36
+(the Triton tree part of attention, 1 layer / 36 layers); "/g" = replayed from a CUDA
+graph; stop/torch and stop/triton (the T > 0 verify's stop draw,
+``draw_stop_tokens_torch`` and ``draw_stop_tokens_triton``, eager as vLLM's sampler runs
+it, with a torch Gumbel draw standing in for vLLM's).
 Prints a table last; compare with an 8B decode step of ~5.3 ms (batch 1) in vLLM 0.26.
 """
 
@@ -28,10 +29,16 @@ from pathlib import Path
 import torch
 
 from benchmarks.core_gpu import median_ms
-from vllm_ddtree.gpu.buffers import TreeBuffers
-from vllm_ddtree.gpu.verify_rows import KVCompactor, walk_verify
-from vllm_ddtree.gpu.verify_sampling import NO_CHILD, draw_stop_tokens
-from vllm_ddtree.kernels.topk_lse import topk_lse, topk_lse_max_k
+from vllm_ddtree.gpu.compaction import KVCompactor
+from vllm_ddtree.gpu.step_rows import StepRows
+from vllm_ddtree.gpu.tree_state import TreeStates
+from vllm_ddtree.gpu.verify_sampling import (
+    NO_CHILD,
+    draw_stop_tokens_torch,
+    draw_stop_tokens_triton,
+)
+from vllm_ddtree.gpu.walk import walk_rows_triton
+from vllm_ddtree.kernels.topk_lse import topk_lse_max_k, topk_lse_triton
 from vllm_ddtree.kernels.tree_attention import tree_attention_triton
 from vllm_ddtree.tree import build_tree
 
@@ -53,30 +60,33 @@ def graphed(fn):
 
 def case(R, B, topk_pruned, dev="cuda"):
     W = B + 1
-    tb = TreeBuffers(max(R, 1), R * W, B, D, dev)
+    ts = TreeStates(max(R, 1), B, D, dev)
+    rows = StepRows(max(R, 1), R * W, B, dev)
     logits = torch.randn(R, D, V, device=dev, dtype=torch.bfloat16) * 3
     draft_tokens = torch.zeros(R, B, dtype=torch.int64, device=dev)
 
     def build():
         tree = build_tree(logits, B, topk_pruned=topk_pruned)
-        tb.store_batch(tree, logits, draft_tokens)
+        ts.store_batch(tree, logits, draft_tokens)
 
     res = {"build": timed(build), "build/g": timed(graphed(build))}
     x = logits.view(R * D, V)
     k = min(B, topk_lse_max_k(topk_pruned))
-    res["topk/g"] = timed(graphed(lambda: topk_lse(x, k, pruned=topk_pruned)))
+    res["topk/g"] = timed(graphed(lambda: topk_lse_triton(x, k, pruned=topk_pruned)))
     idx = torch.arange(R, dtype=torch.int32, device=dev)
-    tb.commit(idx, R)
+    ts.commit(idx, R)
     qs = (torch.arange(R + 1, device=dev) * W).to(torch.int32)
     cu = qs.clone()
     T = R * W
     pos = (torch.arange(T, device=dev) % W + PREFIX).long()
     seq_lens = torch.full((R,), PREFIX + W, dtype=torch.int32, device=dev)
-    fill = lambda: tb.fill_rows(qs, cu, idx, pos, seq_lens, R, R, T)
+    fill = lambda: ts.fill_rows(rows, qs, cu, idx, pos, seq_lens, R, R, T, has_trees=True)
     res["fill"] = timed(fill)
     res["fill/g"] = timed(graphed(fill))
     targets = draft_tokens.new_zeros(T)
-    walk = lambda: walk_verify(targets, cu, idx, tb.walk_tokens, tb.parents, D, R)
+    # the arguments TreeStates.walk passes (the kernel walks by parent: depths unread)
+    walk = lambda: walk_rows_triton(targets, cu, idx, ts.walk_tokens, ts.parents,
+                                    ts._depths, D, R)
     res["walk"] = timed(walk)
     res["walk/g"] = timed(graphed(walk))
     nblocks = R * ((PREFIX + W) // BS + 2)
@@ -98,10 +108,10 @@ def case(R, B, topk_pruned, dev="cuda"):
     def gumbel(rows, states, positions):
         return (rows - torch.empty_like(rows).exponential_().log()).argmax(dim=-1)
 
-    for impl in ("torch", "triton"):
-        res[f"stop/{impl}"] = timed(lambda impl=impl: draw_stop_tokens(
-            processed, choices, stopped, path, root, cu, idx, pos, tb.walk_tokens,
-            tb.parents, gumbel, impl=impl))
+    for impl, stop in (("torch", draw_stop_tokens_torch), ("triton", draw_stop_tokens_triton)):
+        res[f"stop/{impl}"] = timed(lambda stop=stop: stop(
+            processed, choices, stopped, path, root, cu, idx, pos, ts.walk_tokens,
+            ts.parents, gumbel))
     kv = caches[0]
     k_cache, v_cache = kv[..., :HD], kv[..., HD:]
     bt = torch.arange(nblocks, device=dev, dtype=torch.int32).view(R, -1)
@@ -111,7 +121,7 @@ def case(R, B, topk_pruned, dev="cuda"):
     prefix = torch.full((R,), PREFIX, dtype=torch.int32, device=dev)
 
     def attn():
-        tree_attention_triton(q, k_cache, v_cache, bt, qs, prefix, tb.row_bits, None,
+        tree_attention_triton(q, k_cache, v_cache, bt, qs, prefix, rows.bits, None,
                               include_prefix=False, max_rows=W, out=out, prefix_out_lse=lse,
                               return_lse=False)
 
