@@ -263,13 +263,14 @@ def test_build_keeps_each_depths_best_token_and_nonfinite_requests(build):
     the flag instead of the logits."""
     from vllm_ddtree.tree import drop_nonfinite
 
+    dev = "cuda" if _ON_GPU and build is build_tree_triton else "cpu"  # Triton's device
     x = torch.randint(0, 5, (4, 3, 300), generator=torch.Generator().manual_seed(1)).float()
     x[2, 1, 7] = float("nan")
-    tree = build(x, 8)
+    tree = build(x.to(dev), 8)
     sane = torch.nan_to_num(x, nan=float("-inf"))
-    assert torch.equal(tree.top1, sane.argmax(dim=-1))
+    assert torch.equal(tree.top1.cpu(), sane.argmax(dim=-1))
     assert tree.nonfinite.tolist() == [False, False, True, False]
-    bad = drop_nonfinite(tree, torch.zeros_like(x))  # finite logits: the flag decides
+    bad = drop_nonfinite(tree, torch.zeros_like(x, device=dev))  # the flag decides
     assert bad.tolist() == [False, False, True, False]
     assert (tree.token_ids[2] == -1).all() and int(tree.num_nodes[2]) == 0
     assert int(tree.num_nodes[0]) == 8
@@ -290,8 +291,8 @@ def test_triton_build_refuses_what_one_program_cannot_sort():
 
 def test_build_tree_picks_triton_on_the_gpu_where_the_width_fits(monkeypatch):
     """build_tree's one rule: build_tree_triton where use_triton holds (Triton, a GPU
-    tensor) and the width fits one program, else build_tree_torch (what impl="auto"
-    was); the same arguments pass through."""
+    tensor) and the width fits one program, else build_tree_torch; the same arguments
+    pass through."""
     from vllm_ddtree.kernels.tree_build import triton_build_supported
     from vllm_ddtree.tree import build as build_module
 

@@ -20,6 +20,7 @@ from vllm_ddtree.tree.conditioned import (
 )
 from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton selection runs
 # each depth's selection in torch, and in the Triton kernel where it can run here
 BUILDS = [build_conditioned_tree_torch, pytest.param(
     build_conditioned_tree_triton, marks=pytest.mark.skipif(
@@ -40,6 +41,15 @@ def _bias(w1: torch.Tensor, w2: torch.Tensor):
     return functools.partial(markov_bias, w1, w2)
 
 
+def _run(build, base, roots, w1, w2, budget: int, draft_to_target=None):
+    """``build`` on the inputs, moved to the GPU for the Triton selection where there is
+    one (the oracle keeps the CPU tensors)."""
+    dev = DEV if build is build_conditioned_tree_triton else "cpu"
+    d2t = None if draft_to_target is None else draft_to_target.to(dev)
+    return build(base.to(dev), roots.to(dev), _bias(w1.to(dev), w2.to(dev)), budget,
+                 draft_to_target=d2t)
+
+
 def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
     n = int(tree.num_nodes[r])
     return list(zip(tree.token_ids[r, :n].tolist(), tree.parents[r, :n].tolist(),
@@ -53,7 +63,7 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("build", BUILDS)
 def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
-    tree = build(base, roots, _bias(w1, w2), budget)
+    tree = _run(build, base, roots, w1, w2, budget)
     for r in range(3):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, budget)
         assert _nodes(tree, r) == want
@@ -68,7 +78,7 @@ def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed,
     target ids, and each child distribution is conditioned on its parent's target id."""
     base, w1, w2, roots = _case(seed, 2, 4, 10, rank=2, spread=4, v_target=32)
     d2t = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:10]
-    tree = build(base, roots, _bias(w1, w2), 20, draft_to_target=d2t)
+    tree = _run(build, base, roots, w1, w2, 20, draft_to_target=d2t)
     for r in range(2):
         want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, 20,
                                            draft_to_target=d2t.tolist())
@@ -132,8 +142,8 @@ def test_triton_build_refuses_what_one_program_cannot_sort():
 
 def test_build_conditioned_tree_picks_triton_on_the_gpu_where_the_sort_fits(monkeypatch):
     """The one rule: build_conditioned_tree_triton where use_triton holds (Triton, a GPU
-    tensor) and every depth's pair sort fits one program, else the torch reference (what
-    impl="auto" was); the same arguments pass through."""
+    tensor) and every depth's pair sort fits one program, else the torch reference; the
+    same arguments pass through."""
     from vllm_ddtree.kernels.tree_build import select_children_supported
     from vllm_ddtree.tree import conditioned
 
@@ -174,7 +184,7 @@ def test_top1_is_the_drafters_greedy_chain(seed, budget, build):
     the tree dropped the chain's nodes (budget 1 keeps one node)."""
     base, w1, w2, roots = _case(seed, 3, 5, 16, rank=2, spread=3, v_target=24)
     d2t = torch.randperm(24, generator=torch.Generator().manual_seed(seed))[:16]
-    tree = build(base, roots, _bias(w1, w2), budget, draft_to_target=d2t)
+    tree = _run(build, base, roots, w1, w2, budget, draft_to_target=d2t)
     for r in range(3):
         assert tree.top1[r].tolist() == _greedy_chain(base[r], int(roots[r]), w1, w2, d2t)
     assert not tree.nonfinite.any()
