@@ -242,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-ddtree", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vllm_ddtree import __version__
+
+    parser.add_argument("--version", action="version", version=f"vllm-ddtree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check that DDTree can run with the installed vLLM")
     sub.add_parser("vllm", add_help=False,

@@ -36,6 +36,15 @@ def test_help_lists_the_vllm_subcommand(capsys: pytest.CaptureFixture[str]) -> N
     assert "vllm-ddtree vllm serve MODEL" in text and "vllm-ddtree vllm bench serve" in text
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_ddtree import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm-ddtree {__version__}"
+
+
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_serve_help_runs_vllms_own_parser() -> None:
