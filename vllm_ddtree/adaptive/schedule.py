@@ -12,10 +12,10 @@ maximum: whole tree-attention row blocks, see ``candidates``), using
 
 * ``step_cost``: a whole DDTree step (drafter, tree, verify of ``1 + B`` rows per request)
   relative to a DFlash-15 step at the same batch size, measured at equal acceptance
-  (``benchmarks.step_cost``: one H200, Qwen3-8B shape, vLLM 0.26, CUDA graphs; the mean
-  of T = 0 and T = 1: ``STEP_COST``) for widths 16, 32 and 64; wider trees grow from the
-  width-64 value as a plain verify of the target grows (``VERIFY_GROWTH``); interpolated
-  log-linearly in the batch and the width;
+  (``benchmarks.step_cost`` at Qwen3-8B shape, CUDA graphs; the mean of T = 0 and T = 1:
+  ``STEP_COST``, docs/benchmarks/step-cost-h200.md) for widths 16, 32 and 64; wider
+  trees grow from the width-64 value as a plain verify of the target grows
+  (``VERIFY_GROWTH``); interpolated log-linearly in the batch and the width;
 * ``tau``: DDTree's acceptance length against budget from the paper (Qwen3-8B,
   MATH-500, T = 0).
 
@@ -32,10 +32,8 @@ import bisect
 import math
 
 # batch -> {verify rows per request: DDTree step time / DFlash-15 step time}, measured
-# at equal acceptance (docs/benchmarks/step-cost-h200.md, mean of T = 0 and T = 1;
-# ``python3 -m benchmarks.step_cost --fit docs/benchmarks/step-cost-h200-refit.json
-# docs/benchmarks/step-cost-h200-build-tuning.json docs/benchmarks/step-cost-h200-retuned.json``,
-# widths 32 and 64 at batches 32 and 64 from the earliest run in that document)
+# at equal acceptance, mean of T = 0 and T = 1; fitted with ``benchmarks.step_cost --fit``
+# (docs/benchmarks/step-cost-h200.md, "Every budget by batch size, the policy and the targets")
 STEP_COST: dict[int, dict[int, float]] = {
     1: {16: 1.001, 32: 1.047, 64: 1.071},
     2: {16: 1.008, 32: 1.030, 64: 1.128},
@@ -44,8 +42,9 @@ STEP_COST: dict[int, dict[int, float]] = {
     32: {16: 1.013, 32: 1.872, 64: 3.399},
     64: {16: 1.018, 32: 1.888, 64: 3.652},
 }
-# batch -> {verify tokens per request n: target forward time relative to n = 1} (one
-# H200, Qwen3-8B shape, vLLM 0.26): how a step grows past the widest measured tree
+# batch -> {verify tokens per request n: target forward time relative to n = 1} at
+# Qwen3-8B shape: how a step grows past the widest measured tree (docs/benchmarks.md,
+# "The adaptive schedule's model at Qwen3-8B shape")
 VERIFY_GROWTH: dict[int, dict[int, float]] = {
     1: {1: 1.00, 16: 1.23, 32: 1.25, 64: 1.27, 128: 1.35, 256: 1.69, 512: 2.76},
     4: {1: 1.00, 16: 1.10, 32: 1.15, 64: 1.38, 128: 2.03, 256: 3.73, 512: 7.31},
@@ -98,10 +97,9 @@ def candidates(max_budget: int, depth: int) -> list[int]:
     ``16 m - 1`` up to the maximum.  ``16 m - 1`` nodes verify ``16 m`` rows per request,
     whole row blocks of the Triton tree attention (16 rows; 32 over the tree keys of
     trees wider than 32 rows, which ``2**k - 1`` budgets fill): one node more opens a
-    block for one row (measured on an H200 at 8B shape, 36 layers in a CUDA graph, on an
-    earlier tiling of 16-row blocks: R = 32, B = 31 0.90 ms against B = 32 1.85 ms;
-    R = 8, B = 63 0.67 ms against B = 64 1.15 ms; docs/benchmarks.md, "Tree build and
-    tree attention").  A maximum with no such budget above ``D`` is kept."""
+    block for one row, which doubled the tree attention at 32 requests on an earlier
+    tiling of 16-row blocks (docs/benchmarks.md, "Tree build and tree attention at
+    Qwen3-8B shape").  A maximum with no such budget above ``D`` is kept."""
     out = {min(depth, max_budget)}
     b = 15
     while b <= max_budget:

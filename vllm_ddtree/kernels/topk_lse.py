@@ -12,18 +12,19 @@ non-finite flag.  :func:`topk_lse_triton` launches them for the tree build's
 :func:`~vllm_ddtree.tree.build.depth_candidates_torch` (a stable sort).  With the
 pruning bound and this merge in Triton (four launches, in place of ~20 around two
 ``torch.topk`` and a ``logsumexp``), the top-k of one request at budget 15 (15 rows)
-takes 0.026 ms in a CUDA graph on the H200, 0.072 ms before
-(``benchmarks/gpu_step_parts.py``, column topk/g; docs/benchmarks/step-cost-h200.md).
+takes about a third of its earlier time in a CUDA graph (``benchmarks/gpu_step_parts.py``,
+column topk/g; docs/benchmarks/step-cost-h200.md, "The tree build's top-k merge and the
+T > 0 stop draw in Triton").
 
 Two variants (``pruned``):
 
 * one pass: each program also writes its chunk's max and sum of exponentials
   (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
-  151936-token vocabulary this was the DDTree step's largest own kernel on the H200
-  (0.78 ms per step for 480 rows, k = 15, in a profile of the whole step):
-  compute-bound on the ``k`` reductions.
-* pruned (the default: it halves the tree build at 32 requests x budget 15 on the H200,
-  1.36 -> 0.72 ms, docs/benchmarks.md "Tree build and tree attention"): a first kernel
+  151936-token vocabulary this was the DDTree step's largest own kernel in a profile of
+  the whole step (480 rows, k = 15; docs/benchmarks.md, "Tree build and tree attention
+  at Qwen3-8B shape"): compute-bound on the ``k`` reductions.
+* pruned (the default: it halves the tree build at 32 requests x budget 15,
+  docs/benchmarks.md, "Tree build and tree attention at Qwen3-8B shape"): a first kernel
   writes the chunk maxima and sums; ``t`` = the ``k``-th largest chunk maximum of the row
   (one program per row) is a lower bound on the row's ``k``-th largest value (the top
   ``k`` chunk maxima are ``k`` distinct entries >= ``t``), so only entries >= ``t`` can
@@ -44,8 +45,9 @@ if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, key_tie, pack_key
 
 # Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
-# its k reductions per chunk are faster than torch.topk only up to k = 16 on the H200
-# (k = 32 made the build 1.35 -> 2.2 ms at 32 requests on the H200).
+# its k reductions per chunk are faster than torch.topk only up to k = 16 (a limit of
+# 32 made the build at 32 requests over 1.5x slower; docs/benchmarks.md, "Tree build
+# and tree attention at Qwen3-8B shape").
 ONE_PASS_MAX_K = 16
 PRUNED_MAX_K = 64
 
@@ -228,9 +230,10 @@ class TopkTuning(NamedTuple):
 
 def topk_tuning(k: int, rows: int) -> TopkTuning:
     """:func:`topk_lse_triton`'s default launch settings for ``k`` and ``rows`` rows,
-    measured on an H200 at a 151936-token vocabulary (``benchmarks.tree_build_tuning``;
-    docs: step-cost-h200.md).  The bound by one sort on one warp; 4-warp chunk programs
-    (the ``rows x chunks`` grid fills the GPU); the merge by one sort of up to
+    chosen by a sweep at a 151936-token vocabulary (``benchmarks.tree_build_tuning``;
+    docs/benchmarks/step-cost-h200.md, "The tree build's top-k and sorts retuned").  The
+    bound by one sort on one warp; 4-warp chunk programs (the ``rows x chunks`` grid
+    fills the GPU); the merge by one sort of up to
     ``max(128, 4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of
     normal logits has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row
     leaves SMs idle (up to 132 rows)."""

