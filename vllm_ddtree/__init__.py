@@ -11,7 +11,7 @@ every process it starts. Importing this package imports neither torch nor vLLM.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from vllm_ddtree.version import PLUGIN_VERSION as __version__
 
 __all__ = ["__version__", "register"]
 

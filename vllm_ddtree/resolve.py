@@ -21,8 +21,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ddtree import config as ddcfg
-from vllm_ddtree import drafter
+import vllm_ddtree.config as ddcfg
+import vllm_ddtree.drafter as drafter
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import re
 
+#: this plugin's own version (the package's ``__version__``)
+PLUGIN_VERSION = "0.1.0"
+
 SKIP_VERSION_ENV = "VLLM_DDTREE_SKIP_VERSION_CHECK"
 
 #: Supported vLLM minor series -> the platform each is exercised on.
@@ -68,10 +71,8 @@ def check_vllm_version(version: str, on_cpu: bool) -> None:
     problem = support_problem(version, on_cpu)
     if problem is None:
         return
-    from vllm_ddtree import __version__
-
     raise RuntimeError(
-        f"vllm-ddtree {__version__} does not support the installed vLLM {version!r}: "
+        f"vllm-ddtree {PLUGIN_VERSION} does not support the installed vLLM {version!r}: "
         f"{problem}. Install a supported vLLM, or set {SKIP_VERSION_ENV}=1 to patch this "
         "vLLM anyway (untested; DDTree may fail or give wrong results)."
     )

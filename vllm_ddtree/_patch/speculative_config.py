@@ -30,8 +30,8 @@ import functools
 import typing
 from typing import Any, Literal
 
-from vllm_ddtree import config as ddcfg
-from vllm_ddtree import resolve
+import vllm_ddtree.config as ddcfg
+import vllm_ddtree.resolve as resolve
 from vllm_ddtree._patch.helper import PatchSet, check_signature
 
 TARGET = "vllm.config.speculative.SpeculativeConfig"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_ddtree import config as ddcfg
+import vllm_ddtree.config as ddcfg
 from vllm_ddtree._patch.helper import PatchSet
 
 TARGET = "vllm.config.speculative.SpeculativeConfig"

@@ -13,16 +13,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from vllm_ddtree.gpu.step_rows import StepRows
-
 # the target model's attribute that carries its engine's DDTree state to the model state
 BINDING_ATTR = "ddtree_binding"
 
 
 def use_tree_attention(layer: Any, backend_cls: type, impl_cls: type,
-                       step_rows: StepRows) -> None:
+                       step_rows: Any) -> None:
     """Switch the attention layer ``layer`` (vLLM's ``Attention``) from vLLM's
-    FlashAttention to ``backend_cls`` / ``impl_cls`` (its subclasses) over ``step_rows``:
+    FlashAttention to ``backend_cls`` / ``impl_cls`` (its subclasses) over ``step_rows``
+    (the engine's :class:`~vllm_ddtree.gpu.step_rows.StepRows`):
     per instance, its backend and its impl's class (vLLM builds the metadata builder
     from ``layer.get_attn_backend()`` later).  Layers on another backend are left as
     they are (the caller refuses them)."""

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from vllm.v1.worker.gpu.spec_decode.dflash.config import DFlashSpeculatorConfig
 from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
 
-from vllm_ddtree import config as ddcfg
-from vllm_ddtree import resolve
+import vllm_ddtree.config as ddcfg
+import vllm_ddtree.resolve as resolve
 from vllm_ddtree.drafter import missing_drafter
 
 if TYPE_CHECKING:
