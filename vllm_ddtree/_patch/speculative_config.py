@@ -105,15 +105,11 @@ def _make_init(original: Any) -> Any:
 
 
 def _make_drafting_slots(original: property) -> property:
-    """Step 6.  vLLM sizes this reservation for DFlash from ``K = num_speculative_tokens``
-    (0.26: ``K - 1`` per sequence off ``max_num_batched_tokens``; 0.32: ``K`` per
-    scheduled request; 0.33: none, its drafter has its own query pass).  For DDTree
-    ``K`` is the budget ``B``, which at large budgets leaves room for only a few
-    requests per step (docs/benchmarks.md, "Measurements behind the configuration
-    checks").  The drafter pass adds ``D`` mask rows per request whatever ``B``, so a
-    reserving vLLM gets ``D``: with it the drafter's ``(1 + D)`` rows per request fit
-    its ``max_num_batched_tokens`` buffers (0.26's ``K - 1`` bound does not guarantee
-    that)."""
+    """Step 6.  vLLM 0.32 reserves ``K = num_speculative_tokens`` tokens per scheduled
+    request for DFlash's drafter pass.  For DDTree ``K`` is the budget ``B``, which at
+    large budgets leaves room for only a few requests per step (docs/benchmarks.md,
+    "Measurements behind the configuration checks").  The drafter pass adds ``D`` mask
+    rows per request whatever ``B``: reserve ``D``."""
     fget = original.fget
 
     @functools.wraps(fget)
