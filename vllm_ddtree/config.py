@@ -405,18 +405,6 @@ def check_target(target: TargetInfo) -> None:
             )
 
 
-def check_no_draft_topk(value: Any) -> None:
-    """vLLM 0.33's ``speculative_config.dspark_draft_topk`` (the DSpark chain adds the
-    Markov bias to the top-k base candidates only) has no meaning for a tree, whose
-    every node ranks its children over the whole draft vocabulary: refused when the
-    user sets it.  A checkpoint's own ``dspark_draft_topk`` is not read."""
-    if value is not None:
-        raise DDTreeConfigError(
-            f"speculative_config.dspark_draft_topk={value!r} does not apply to "
-            "method='ddtree': the tree ranks each node's children over the whole draft "
-            "vocabulary. Remove it, or serve with method='dspark' (vLLM's chain).")
-
-
 # ------------------------------------------------------------------ accessors
 
 

@@ -36,8 +36,7 @@ from vllm_ddtree.config import (
     is_int,
 )
 
-#: DSpark checkpoints DDTree drafts with (vLLM 0.26+ loads them as
-#: ``Qwen3DSparkForCausalLM``).
+#: DSpark checkpoints DDTree drafts with (vLLM loads them as ``Qwen3DSparkForCausalLM``).
 DSPARK_ARCHITECTURES = frozenset({"Qwen3DSparkModel"})
 _DFLASH_EXTRA_ARCHITECTURES = frozenset({"MuseGlimmerAssistantModel"})
 
@@ -312,8 +311,8 @@ def _check_dspark_fields(drafter: dict[str, Any], where: str) -> int | None:
         raise DDTreeConfigError(
             f"{where}: a DSpark drafter needs an integer markov_rank >= 1 in config.json, "
             f"got {rank!r}.")
-    # vLLM 0.26 reads the 1 + N fill-in block from dspark_bonus_anchor, 0.32+ from
-    # sample_from_anchor=false
+    # checkpoints mark the 1 + N fill-in block with sample_from_anchor=false (what vLLM
+    # reads) or dspark_bonus_anchor=true (older exports)
     fill_in = {"dspark_bonus_anchor": True, "sample_from_anchor": False}
     for key, value in fill_in.items():
         if drafter.get(key) is value:

@@ -207,15 +207,3 @@ def test_engine_refuses_a_tree_wider_than_its_token_budget(monkeypatch, root) ->
             max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.2,
             speculative_config={"method": "ddtree", "model": str(drafter),
                                 "num_speculative_tokens": 100})
-
-
-def test_dspark_draft_topk_is_refused_when_set():
-    """vLLM 0.33's top-k restriction of the DSpark chain's Markov bias has no meaning for
-    a tree: refused with the option named; unset passes."""
-    from vllm_ddtree.config import check_no_draft_topk
-
-    check_no_draft_topk(None)
-    for value in (0, 8):
-        with pytest.raises(DDTreeConfigError, match=f"dspark_draft_topk={value} does not "
-                                                    "apply to method='ddtree'"):
-            check_no_draft_topk(value)

@@ -36,6 +36,12 @@ def test_ddtree_is_a_registered_method_built_on_dflash():
     assert cls is DDTreeSpeculatorConfig and issubclass(cls, DFlashSpeculatorConfig)
     assert cls.base_method == "dflash"
     assert cls.supported_options == frozenset({"speculator_options"})
+    # vLLM itself refuses its method-specific options that DDTree does not list, e.g.
+    # dspark_draft_topk (the chain's Markov bias on the top-k base candidates only: a
+    # tree node ranks its children over the whole draft vocabulary)
+    from vllm.config.speculative import _METHOD_SPECIFIC_OPTIONS
+
+    assert "dspark_draft_topk" in _METHOD_SPECIFIC_OPTIONS
     assert issubclass(resolve_obj_by_qualname(cls.speculator_class), DFlashSpeculator)
     dspark = cls(_spec("dspark", budget=15, depth=16))
     assert issubclass(resolve_obj_by_qualname(dspark.speculator_class), DSparkSpeculator)

@@ -217,7 +217,7 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vllm.config.parallel:ParallelConfig.pipeline_parallel_size",
             "vllm.config.parallel:ParallelConfig.decode_context_parallel_size",
             "vllm.config.parallel:ParallelConfig.prefill_context_parallel_size",
-            # 0.32+ runner features refused for ddtree (read with getattr: absent on 0.26)
+            # runner features refused for ddtree
             f"{_SPEC}.enable_adaptive_verification",
             "vllm.config.parallel:ParallelConfig.enable_dbo",
             "vllm.config.parallel:ParallelConfig.ubatch_size",

@@ -85,7 +85,6 @@ def _make_post_init(original: Any) -> Any:
         request = resolve.check_request(self, max_depth, adaptive)
         if request.dspark:
             _check_dspark_platform()
-        ddcfg.check_no_draft_topk(getattr(self, "dspark_draft_topk", None))
         # From here on vLLM sees DFlash (or DSpark) with num_speculative_tokens = B.
         self.method = ddcfg.DSPARK_METHOD if request.dspark else ddcfg.BASE_METHOD
         result = original(self)

@@ -18,9 +18,9 @@ drawn from a full row, with its children masked (:func:`draw_stop_tokens`).  Gre
 take the argmax (lowest id on ties) as before.
 
 Randomness: a row's ``u`` is keyed by (request seed, row position), as vLLM keys its
-Gumbel noise, and drawn apart from that noise (Philox at counter ``vocab_size``: vLLM
-0.26 draws entry ``v``'s noise at counter ``v``, 0.33 hashes (seed, position, token)
-instead); rows of one depth share it, and only one of them lies on a path.
+Gumbel noise, and drawn apart from that noise (Philox at counter ``vocab_size``; vLLM's
+noise hashes (seed, position, token)); rows of one depth share it, and only one of them
+lies on a path.
 """
 
 from __future__ import annotations
