@@ -248,22 +248,24 @@ def _byte_unicode() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def write_tokenizer(out: Path) -> None:
-    """tokenizer.json (byte-level BPE, no merges) + tokenizer_config.json (ChatML)."""
+def write_tokenizer(out: Path, extra_special: tuple[str, ...] = ()) -> None:
+    """tokenizer.json (byte-level BPE, no merges) + tokenizer_config.json (ChatML);
+    ``extra_special``: more special tokens, ids 259 on."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+    specials = SPECIAL_TOKENS + tuple(extra_special)
     vocab = {ch: i for i, ch in enumerate(_byte_unicode())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
     added = {str(256 + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                             "single_word": False, "special": True}
-             for i, t in enumerate(SPECIAL_TOKENS)}
+             for i, t in enumerate(specials)}
     cfg = {
         "added_tokens_decoder": added,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": list(specials[1:]),
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -353,6 +355,56 @@ def make_tiny_pair(root: str | Path, variant: str = "random", dtype: str = "floa
 
     write_once(final, FIXTURE_VERSION, write)
     return final / "target", final / "drafter"
+
+
+#: Tiny random targets as ``save_pretrained`` writes them (:func:`make_tiny_target`).
+TARGET_ARCHS = ("qwen3", "llama")
+RESERVED_TOKEN = "<|reserved_special_token_0|>"  # the Llama target's id 259
+
+
+def make_tiny_target(root: str | Path, arch: str) -> Path:
+    """Write (once) and return a tiny random target folder under ``root/<arch>-target``,
+    built and saved by transformers itself (``save_pretrained``: the config layout of the
+    installed transformers), float32, with this module's byte-level tokenizer:
+
+    * ``qwen3``: ``Qwen3ForCausalLM``, the pair's target shape (6 layers, hidden 128,
+      4 / 2 heads, head_dim 64), vocabulary 512 for 259 tokens (rows past the tokenizer).
+    * ``llama``: ``LlamaForCausalLM``, 6 layers, hidden 128, 4 / 2 heads of 32 (hidden /
+      heads), RoPE theta 500000 with Llama 3's scaling, vocabulary 260 = the tokenizer
+      plus :data:`RESERVED_TOKEN` (no row past the tokenizer).
+
+    Weights follow the ``random`` variant's rules (module docstring), so greedy decoding
+    emits byte tokens only and near-ties are rare."""
+    if arch not in TARGET_ARCHS:
+        raise ValueError(f"Unknown target {arch!r}; valid: {', '.join(TARGET_ARCHS)}")
+    final = Path(root) / f"{arch}-target"
+
+    def write(tmp: Path) -> None:
+        import transformers
+
+        common = dict(hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+                      num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
+                      rms_norm_eps=RMS_EPS, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                      pad_token_id=BOS_ID, tie_word_embeddings=False)
+        if arch == "qwen3":
+            cfg = transformers.Qwen3Config(vocab_size=VOCAB, head_dim=HEAD_DIM,
+                                           rope_theta=ROPE_THETA, **common)
+            cls, extra = transformers.Qwen3ForCausalLM, ()
+        else:
+            cfg = transformers.LlamaConfig(
+                vocab_size=256 + len(SPECIAL_TOKENS) + 1, rope_theta=500_000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 256}, **common)
+            cls, extra = transformers.LlamaForCausalLM, (RESERVED_TOKEN,)
+        model = cls(cfg)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model.load_state_dict(_random_weights(shapes, arch))
+        model.save_pretrained(str(tmp))
+        write_tokenizer(tmp, extra)
+
+    return write_once(final, FIXTURE_VERSION, write)
 
 
 def main(argv: list[str] | None = None) -> int:
