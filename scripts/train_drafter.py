@@ -281,7 +281,7 @@ def rope_theta(tcfg: dict) -> float:
 
 def drafter_config(tcfg: dict, layers: int, intermediate: int | None, mask_id: int,
                    dtype: str = "bfloat16", layer_ids: list[int] | None = None) -> dict:
-    """The published z-lab key set (dflash-format.md section 2) for this target: the
+    """The published z-lab key set (docs/drafters.md, "The z-lab format") for this target: the
     target's hidden size, heads, KV heads, head_dim, vocabulary, RMSNorm epsilon, RoPE
     theta and maximum positions; ``intermediate`` (default: the target's) and
     ``layer_ids`` (default: :func:`build_target_layer_ids`)."""

@@ -16,7 +16,8 @@ import torch
 
 from vllm_ddtree.demo.smollm import SmolLMUnavailable, ensure_smollm
 
-# The published z-lab drafter config keys (dflash-format.md section 2) this trainer writes.
+# The published z-lab drafter config keys this trainer writes (docs/drafters.md,
+# "The z-lab format").
 ZLAB_KEYS = {"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers",
              "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",

@@ -18,7 +18,8 @@ import torch
 
 from vllm_ddtree.testing.fixtures import RESERVED_TOKEN, make_tiny_target, write_tokenizer
 
-# The z-lab key set the trainer writes (dflash-format.md section 2), as in test_smollm_cpu.
+# The z-lab key set the trainer writes (docs/drafters.md, "The z-lab format"), as in
+# test_smollm_cpu.
 ZLAB_KEYS = {"architectures", "block_size", "dflash_config", "num_target_layers",
              "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",

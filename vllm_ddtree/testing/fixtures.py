@@ -1,7 +1,7 @@
 """Tiny, deterministic Qwen3 target + DFlash drafter checkpoints for tests.
 
 ``make_tiny_pair(root, variant, dtype, heads)`` writes (no downloads, fixed seeds) a pair
-in the published formats (docs: dflash-format.md sections 2 and 5) and returns
+in the published formats (docs/drafters.md, "The z-lab format") and returns
 ``(target_dir, drafter_dir)``:
 
 * target: ``Qwen3ForCausalLM``, 6 layers, hidden 128, 4 query heads (``heads``: any

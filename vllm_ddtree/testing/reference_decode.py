@@ -43,7 +43,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class DFlashDrafterRef:
-    """The z-lab ``DFlashDraftModel`` forward (dflash-format.md section 1), batch 1."""
+    """The z-lab ``DFlashDraftModel`` forward (the published reference implementation), batch 1."""
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]):
         self.cfg = config
