@@ -1,7 +1,8 @@
 """CPU smoke test of the acceptance benchmark (``python3 -m benchmarks.acceptance``) on the
 real pair: SmolLM2-135M + a DFlash drafter trained here for a few steps
 (``python3 -m scripts.train_drafter --tiny``).  Two held-out prompts x 16 greedy tokens, chain
-and DDTree at budgets 16 and 32;
+and DDTree at budget 32 (one budget: every fixed budget runs the same code, and each costs an
+engine start and a reference run);
 the reference loop on one prompt must give the same tau as vLLM (fp32: exact)."""
 
 import json
@@ -34,7 +35,7 @@ def drafter(tmp_path_factory):
 
 def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.acceptance", "--cpu", "--drafter", str(drafter),
-           "--out", str(tmp_path), "--num-prompts", "2", "--max-tokens", "16", "--budgets", "16,32",
+           "--out", str(tmp_path), "--num-prompts", "2", "--max-tokens", "16", "--budgets", "32",
            "--temps", "0", "--ref-prompts", "1"]
     # One OpenMP thread: on a busy 2-core machine more threads than free cores make the tiny
     # forwards many times slower (10+ min instead of ~1.5).
@@ -47,7 +48,7 @@ def test_acceptance_benchmark_cpu_smoke(drafter, tmp_path):
             "best_ddtree"} <= set(res)
     assert len(res["prompts"]) == 2 and all(p["kind"] in ("code", "chat") for p in res["prompts"])
     rows = {(r["method"], r["budget"]): r for r in res["vllm"]}
-    assert set(rows) == {("dflash", 15), ("ddtree", 16), ("ddtree", 32)}
+    assert set(rows) == {("dflash", 15), ("ddtree", 32)}
     for r in rows.values():
         assert r["temperature"] == 0.0 and r["drafts"] > 0
         assert 1.0 <= r["tau"] <= 16.0
