@@ -26,12 +26,26 @@ def run_harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_throughput_harness_cpu_smoke(tmp_path):
-    proc = run_harness(tmp_path, "--methods", "dflash,ddtree", "--batches", "1,2",
-                       "--max-tokens", "10", "--repeats", "3")
-    res = json.loads((tmp_path / "results.json").read_text())
+    """Interleaved engines, three repeats a cell: DFlash, DDTree, and DDTree with the
+    suffix @base, which runs the package copy in --base-src (its engine process checks
+    that every loaded vllm_ddtree module came from there and fails otherwise) side by side
+    with the installed package, also combined with @inproc; without --base-src the harness
+    refuses it.  (The @base engines join this run: a run of their own would start one more
+    DFlash engine.)"""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "vllm_ddtree", base / "vllm_ddtree",
+                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    out = tmp_path / "out"
+    proc = run_harness(out, "--methods", "dflash,ddtree,ddtree-30@base,ddtree-30@base@inproc",
+                       "--batches", "1,2", "--max-tokens", "10", "--repeats", "3",
+                       "--base-src", str(base))
+    res = json.loads((out / "results.json").read_text())
     assert res["meta"]["interleaved"] and res["meta"]["repeats"] == 3
     rows = {(r["method"], r["batch"]): r for r in res["rows"]}
-    assert set(rows) == {("dflash", 1), ("dflash", 2), ("ddtree-30", 1), ("ddtree-30", 2)}
+    based = ("ddtree-30@base", "ddtree-30@base@inproc")
+    assert set(rows) == {(m, n) for m in ("dflash", "ddtree-30", *based) for n in (1, 2)}
     for n in (1, 2):
         assert rows[("dflash", n)]["tau"] == pytest.approx(1.0)
         assert rows[("ddtree-30", n)]["tau"] == pytest.approx(2.0, abs=0.15)
@@ -51,8 +65,23 @@ def test_throughput_harness_cpu_smoke(tmp_path):
         pairs = sorted(a / b for a, b in zip(t["tok_s_runs"], d["tok_s_runs"]))
         assert t["paired_vs_dflash"] == pytest.approx(pairs[1])
         assert d["paired_vs_dflash"] == pytest.approx(1.0)
-    assert (tmp_path / "throughput.png").stat().st_size > 1000
-    assert "ddtree-30" in proc.stdout.splitlines()[-1]  # the table is printed last
+        # the package copy's tree accepts one draft per step too
+        for name in based:
+            assert rows[(name, n)]["tau"] == pytest.approx(2.0, abs=0.15)
+            assert rows[(name, n)]["vs_dflash"] > 0
+    packages = res["meta"]["engine_package"]
+    for name in ("dflash", "ddtree-30"):
+        assert packages[name] == str((ROOT / "vllm_ddtree").resolve())
+    for name in based:
+        assert packages[name] == str((base / "vllm_ddtree").resolve())
+    assert (out / "throughput.png").stat().st_size > 1000
+    # the table is printed last
+    assert proc.stdout.splitlines()[-1].startswith("ddtree-30@base@inproc")
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--cpu",
+                          "--fixture", "tree_beats_chain", "--out", str(tmp_path / "x"),
+                          "--methods", "ddtree-30@base"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--base-src" in bad.stderr
 
 
 def test_throughput_sequential_and_aa_cpu_smoke(tmp_path):
@@ -131,33 +160,3 @@ def test_throughput_profile_cpu_smoke(tmp_path):
     assert ours["build_tree"][1] == pytest.approx(1.0, abs=0.5)  # one tree per step
     assert 0 < ours["build_tree"][0] <= ours["propose"][0] <= summ["wall_ms"]
     assert proc.stdout.rstrip().splitlines()[-1].lstrip().startswith("host:")
-
-
-def test_base_src_engine_runs_the_package_copy(tmp_path):
-    """A method with the suffix @base runs the package copy in --base-src (its engine
-    process checks that every loaded vllm_ddtree module came from there and fails
-    otherwise), side by side with the installed package, also combined with @inproc;
-    without --base-src the harness refuses it."""
-    import shutil
-
-    base = tmp_path / "base"
-    shutil.copytree(ROOT / "vllm_ddtree", base / "vllm_ddtree",
-                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    run_harness(tmp_path / "out", "--methods", "dflash,ddtree-30@base,ddtree-30@base@inproc",
-                "--batches", "1", "--max-tokens", "6", "--base-src", str(base))
-    results = json.loads((tmp_path / "out" / "results.json").read_text())
-    rows = {r["method"]: r for r in results["rows"]}
-    assert set(rows) == {"dflash", "ddtree-30@base", "ddtree-30@base@inproc"}
-    packages = results["meta"]["engine_package"]
-    assert packages["dflash"] == str((ROOT / "vllm_ddtree").resolve())
-    for name in ("ddtree-30@base", "ddtree-30@base@inproc"):
-        assert packages[name] == str((base / "vllm_ddtree").resolve())
-    # the fixture's tree accepts one draft per step (as in the smoke test above)
-    for name in ("ddtree-30@base", "ddtree-30@base@inproc"):
-        assert rows[name]["tau"] == pytest.approx(2.0, abs=0.15)
-        assert rows[name]["vs_dflash"] > 0
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--cpu",
-                           "--fixture", "tree_beats_chain", "--out", str(tmp_path / "x"),
-                           "--methods", "ddtree-30@base"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode != 0 and "--base-src" in proc.stderr
