@@ -113,14 +113,26 @@ def test_logsumexp_sanitize_kernel(dtype):
     assert torch.equal(y[0], x[0])  # clean rows untouched
 
 
+# The dtype enters the kernels only where they load the logits (to float32 at once) and
+# in the value +inf becomes (the dtype's largest finite value); after the load, where k
+# picks the paths, everything is float32 whatever the dtype.  Both dtypes run every k of
+# both variants up to 16; the pruned k = 33 and 64 (the slowest under the interpreter)
+# run in float32 here and in bfloat16 in test_chunked_topk_lse_reduction_paths.
+_TOPK_CASES = ([(dtype, k, prune) for k, prune in [(1, False), (5, False), (16, False),
+                                                   (1, True), (5, True), (16, True)]
+                for dtype in (torch.float32, torch.bfloat16)]
+               + [(torch.float32, 33, True), (torch.float32, 64, True)])
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 @needs_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,prune", [(1, False), (5, False), (16, False), (1, True),
-                                     (5, True), (16, True), (33, True), (64, True)])
+@pytest.mark.parametrize("dtype,k,prune", _TOPK_CASES,
+                         ids=lambda v: str(v).removeprefix("torch.") if v in _DTYPES else None)
 def test_chunked_topk_lse_kernel(dtype, k, prune):
     """Both variants against a stable sort, with values or log-probabilities and the
     non-finite flags.  Pruned, V = 9000 leaves >= k chunks (the bound is used) for
-    k <= 33 and fewer for k = 64 (no bound)."""
+    k <= 33; k = 64 runs at V = 1832, which leaves fewer than k chunks (no bound), as
+    9000 does, in 8 chunks instead of 36 (:func:`_topk_vocab`)."""
     _check_topk_lse(dtype, k, prune, None)
 
 
@@ -136,27 +148,37 @@ def test_chunked_topk_lse_reduction_paths(k, prune):
     _check_topk_lse(torch.bfloat16, k, prune, TopkTuning(4, 2, 8, 2, False, 0))
 
 
+def _topk_vocab(k: int) -> int:
+    """The test's vocabulary: 9000 up to k = 33 (above 32 x 256, so the pruned variant's
+    smallest chunks, 256 entries, leave >= 33 of them: the bound is used); for k = 64,
+    where the point is fewer chunks than k, 1832 = 7 x 256 + 40: 8 chunks rather than 36
+    (each runs k reductions: ~30 s a test at 9000 under the interpreter), the last again
+    of 40 entries, fewer than k."""
+    return 9000 if k <= 33 else 1832
+
+
 def _check_topk_lse(dtype, k, prune, tuning):
     from vllm_ddtree.kernels.topk_lse import _prune_chunk, topk_lse_triton
     from vllm_ddtree.tree.build import sanitized_logits
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    V = _topk_vocab(k)
     g = torch.Generator().manual_seed(k)
-    x = torch.randint(0, 4, (6, 9000), generator=g).to(dtype)  # heavy ties
+    x = torch.randint(0, 4, (6, V), generator=g).to(dtype)  # heavy ties
     x[1, 17] = float("nan")
     x[2, :] = float("-inf")
-    x[2, 8999] = 1.0
-    x[3, 4000] = float("inf")
-    x[4] = torch.randn(9000, generator=g).to(dtype)
+    x[2, V - 1] = 1.0
+    x[3, V * 4 // 9] = float("inf")
+    x[4] = torch.randn(V, generator=g).to(dtype)
     x[5] = float("-inf")  # signed zeros tie: ranked by index, like the stable sort
-    x[5, [3, 100, 5000, 8000]] = torch.tensor([-0.0, 0.0, -0.0, 0.0], dtype=dtype)
+    x[5, [3, 100, V * 5 // 9, V * 8 // 9]] = torch.tensor([-0.0, 0.0, -0.0, 0.0], dtype=dtype)
     x = x.to(dev)
     if prune:
-        chunk = _prune_chunk(9000, k)
-        assert (-(-9000 // chunk) >= k) == (k <= 33)
-        if -(-9000 // chunk) > k:  # then row 4 has chunks wholly below the bound (skipped)
+        chunk = _prune_chunk(V, k)
+        assert (-(-V // chunk) >= k) == (k <= 33)
+        if -(-V // chunk) > k:  # then row 4 has chunks wholly below the bound (skipped)
             m = sanitized_logits(x[4:5].cpu().float())
-            m = torch.nn.functional.pad(m, (0, -9000 % chunk), value=float("-inf"))
+            m = torch.nn.functional.pad(m, (0, -V % chunk), value=float("-inf"))
             maxima = m.view(-1, chunk).max(dim=-1).values
             assert (maxima < maxima.topk(k).values[-1]).any()
     args = dict(chunk=None if prune else 1024, pruned=prune, tuning=tuning)
@@ -170,7 +192,7 @@ def _check_topk_lse(dtype, k, prune, tuning):
     assert torch.equal(idx2, idx) and torch.equal(lse2, lse)
     assert torch.equal(lp, vals - lse.unsqueeze(1))
     assert bad.tolist() == [False, True, True, True, False, True]
-    none = torch.full((1, 9000), float("-inf"), dtype=dtype, device=dev)
+    none = torch.full((1, V), float("-inf"), dtype=dtype, device=dev)
     lp, _, lse = topk_lse_triton(none, k, **args, logprobs=True)  # -inf - -inf: -inf, not NaN
     assert lse.item() == float("-inf") and lp.eq(float("-inf")).all()
 
