@@ -2,7 +2,6 @@
 is run against the default and recorded; a setting that changes a token is reported as
 an error, not timed.  (Timing needs CUDA graphs: a stub stands in for it here.)"""
 
-import os
 
 import pytest
 import torch
@@ -10,9 +9,7 @@ import torch
 import benchmarks.tree_build_tuning as sweep
 from vllm_ddtree.kernels import topk_lse as topk_module
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
+pytestmark = pytest.mark.triton
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Tree attention: reference = causal attention over each node's root path; the Triton
 kernel (TRITON_INTERPRET=1 on CPU) = the reference; prefix/tree split + merge = whole."""
 
-import os
 
 import pytest
 import torch
@@ -70,12 +69,9 @@ def test_merge_of_prefix_and_tree_parts():
     torch.testing.assert_close(lse_m, lse, atol=1e-5, rtol=1e-5)
 
 
-needs_interp = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-3),
                                        (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hd,Hq,Hkv", [(64, 4, 2), (128, 2, 1)])
@@ -90,7 +86,7 @@ def test_triton_matches_reference(dtype, tol, hd, Hq, Hkv, include_prefix):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_logsumexp_sanitize_kernel(dtype):
     from vllm_ddtree.kernels.logsumexp import logsumexp_sanitize_triton
@@ -125,7 +121,7 @@ _TOPK_CASES = ([(dtype, k, prune) for k, prune in [(1, False), (5, False), (16, 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype,k,prune", _TOPK_CASES,
                          ids=lambda v: str(v).removeprefix("torch.") if v in _DTYPES else None)
 def test_chunked_topk_lse_kernel(dtype, k, prune):
@@ -136,7 +132,7 @@ def test_chunked_topk_lse_kernel(dtype, k, prune):
     _check_topk_lse(dtype, k, prune, None)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("k,prune", [(5, True), (16, False), (33, True), (64, True)])
 def test_chunked_topk_lse_reduction_paths(k, prune):
     """The bound by ``k - 1`` max-reductions and the merge by ``k`` of them (no sort),
@@ -197,7 +193,7 @@ def _check_topk_lse(dtype, k, prune, tuning):
     assert lse.item() == float("-inf") and lp.eq(float("-inf")).all()
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_triton_merge_into_prefix_output_and_row_subset(dtype, tol):
     """The GPU backend's two uses: (1) tree keys merged in place into a prefix result
@@ -269,7 +265,7 @@ def _check_rows(got, ref, rows, tol):
     torch.testing.assert_close(got[rows].float(), ref[rows].float(), atol=tol, rtol=tol)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("shape", list(_SHAPES))
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2), (8, 2), (8, 1), (6, 2)])  # GROUP 1,2,4,8,3
 @pytest.mark.parametrize("mode", ["merge", "prefix", "tree"])
@@ -327,7 +323,7 @@ def test_triton_grouped_heads_ragged_requests(shape, Hq, Hkv, mode):
         _check_rows(lse, ref_lse, inside, 1e-4)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hd,Hq,Hkv,shape,block_m,block_n,heads", [
     (128, 8, 2, "b15", None, None, None),  # Qwen3-8B's group (4) and head size

@@ -135,8 +135,7 @@ _TRITON_CASES = ([(3, 1, 7, 5), (2, 4, 2, 20), (4, 15, 64, 60), (2, 6, 300, 128)
                  else [(3, 1, 7, 5), (2, 4, 2, 12), (3, 5, 40, 16)])
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
-                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.triton
 @pytest.mark.parametrize("kind", ["normal", "ties", "flat", "peaked"])
 @pytest.mark.parametrize("R,D,V,budget", _TRITON_CASES)
 def test_triton_build_matches_torch(kind, R, D, V, budget):
@@ -178,8 +177,7 @@ def test_cpu_topk_equals_stable_sort_prefix():
         assert torch.equal(got_v, want_v[..., :k]) and torch.equal(got_i, want_i[..., :k])
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
-                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.triton
 @pytest.mark.parametrize("topk_pruned,k", [(False, 5), (False, 16), (True, 5), (True, 16),
                                            (True, 40)])
 def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
@@ -198,8 +196,7 @@ def test_cuda_candidates_match_cpu_for_each_topk_variant(topk_pruned, k):
     torch.testing.assert_close(got_lp.cpu(), want_lp, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
-                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.triton
 @pytest.mark.parametrize("topk_pruned,k", [(False, 5), (True, 5), (True, 40), (True, 70)])
 def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
     """The top-k kernel's own pass flags each depth whose logits hold a NaN, +inf or -inf
@@ -220,8 +217,7 @@ def test_cuda_candidates_flag_nonfinite_depths(topk_pruned, k):
     assert torch.equal(depth_candidates_torch(x, k, with_nonfinite=True)[2], want)
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
-                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.triton
 @pytest.mark.parametrize("topk_pruned,k", [(False, 5), (True, 16), (True, 70)])
 def test_cuda_candidates_add_a_shared_term_as_if_written_out(topk_pruned, k):
     """``add`` (a row per request, shared by its D rows, as the conditioned build passes
@@ -254,9 +250,7 @@ def test_cuda_candidates_add_a_shared_term_as_if_written_out(topk_pruned, k):
 
 
 @pytest.mark.parametrize("build", [build_tree_torch, pytest.param(
-    build_tree_triton, marks=pytest.mark.skipif(
-        __import__("os").environ.get("TRITON_INTERPRET") != "1" and not _ON_GPU,
-        reason="needs TRITON_INTERPRET=1 or a GPU"))])
+    build_tree_triton, marks=pytest.mark.triton)])
 def test_build_keeps_each_depths_best_token_and_nonfinite_requests(build):
     """build_tree's by-products: ``top1`` is the drafter's chain (argmax per depth, ties
     to the lower id), ``nonfinite`` the requests drop_nonfinite empties, which then reads

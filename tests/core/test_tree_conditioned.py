@@ -6,7 +6,6 @@ bias is exact in float32 whatever the summation order: the oracle's per-node bia
 the batched one are the same numbers, and any difference is the build's."""
 
 import functools
-import os
 
 import pytest
 import torch
@@ -23,9 +22,7 @@ from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton selection runs
 # each depth's selection in torch, and in the Triton kernel where it can run here
 BUILDS = [build_conditioned_tree_torch, pytest.param(
-    build_conditioned_tree_triton, marks=pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-        reason="needs TRITON_INTERPRET=1 or a GPU"))]
+    build_conditioned_tree_triton, marks=pytest.mark.triton)]
 
 
 def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: int):

@@ -3,7 +3,6 @@ TRITON_INTERPRET=1 on CPU) equals its torch reference (``store_trees_torch``) ex
 ``TreeStates.store_batch`` (which passes it the tree build's own NaN/inf mask and chain)
 writes what the logits themselves say."""
 
-import os
 
 import pytest
 import torch
@@ -12,9 +11,6 @@ from vllm_ddtree.gpu.tree_state import TreeStates
 from vllm_ddtree.gpu.tree_store import store_trees, store_trees_torch, store_trees_triton
 from vllm_ddtree.tree import build_tree
 
-needs_interp = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 V = 48
 SENTINEL = -7
@@ -48,7 +44,7 @@ def _run(store, tree, bad, top1, outs):
     store(*args, *outs)
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("draft_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("D", [1, 4, 16])
 @pytest.mark.parametrize("B", [1, 15, 31, 63, 100])
@@ -79,7 +75,7 @@ def test_triton_matches_reference(B, D, draft_dtype):
         assert int(depths[:R].max()) > 1
 
 
-@needs_interp
+@pytest.mark.triton
 def test_chain_sets_the_sign_bit():
     """A 40-node chain: row i sees rows 0..i (a full word 0 is -1: bit 31 is the sign)."""
     B, D = 40, 40
@@ -103,7 +99,7 @@ def test_chain_sets_the_sign_bit():
 
 @pytest.mark.parametrize("D", [1, 4])
 @pytest.mark.parametrize("B", [1, 15, 100])
-def test_reference_matches_store_batch(B, D):
+def test_reference_matches_store_batch(B, D, triton_runs):
     """``TreeStates.store_batch`` passes ``store_trees`` the build's by-products
     (``tree.nonfinite``, ``tree.top1``): its buffers equal ``store_trees_torch`` given the
     mask and the argmax read from the logits themselves (``store_trees_triton`` too,
@@ -127,7 +123,7 @@ def test_reference_matches_store_batch(B, D):
     assert int(ts.num_nonfinite) == 2
 
     stores = [store_trees_torch]
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+    if triton_runs:
         stores.append(store_trees_triton)
     for store in stores:
         outs = [torch.full((S, B), SENTINEL, dtype=torch.int32)] + [t.clone() for t in fresh]

@@ -3,7 +3,6 @@ permutation the drafter reads (:mod:`vllm_ddtree.gpu.compaction`): the Triton la
 (``*_triton``, TRITON_INTERPRET=1 on CPU) against the torch references (``*_torch``), and
 the references against first principles."""
 
-import os
 
 import pytest
 import torch
@@ -16,13 +15,10 @@ from vllm_ddtree.gpu.compaction import (
     hidden_row_perm_triton,
 )
 
-needs_interp = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("num_rows", [1, 17, 300])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_hidden_row_perm_triton_matches_reference(num_rows, dtype):
@@ -76,7 +72,7 @@ def test_compaction_reference_semantics():
             assert torch.equal(row(c, s), row(b, s))
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compaction_triton_matches_reference(dtype):
     ref = _paged(1, dtype=dtype)

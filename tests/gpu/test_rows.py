@@ -3,7 +3,6 @@ the commit of batch rows to request states (:mod:`vllm_ddtree.gpu.rows`): the Tr
 launchers (``*_triton``, TRITON_INTERPRET=1 on CPU) against the torch references
 (``*_torch``), and the references against first principles."""
 
-import os
 
 import pytest
 import torch
@@ -17,9 +16,6 @@ from vllm_ddtree.gpu.rows import (
 )
 from vllm_ddtree.tree import build_tree, tree_layout
 
-needs_interp = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -90,7 +86,7 @@ def test_fill_reference_semantics():
     assert out["out_query_end"].tolist() == qs[1:5] + [qs[4], T, T, -7]
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("seed", [1, 2])
 def test_fill_triton_matches_reference(seed):
     args, _, _, _ = _batch(seed)
@@ -99,7 +95,7 @@ def test_fill_triton_matches_reference(seed):
         assert torch.equal(want[name], got[name]), name
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("budget", [15, 40, 600])  # 600: rows past one 1024-wide block
 def test_commit_states_triton_matches_reference(budget):
     """The one-launch commit against the per-buffer index_put: the batch rows land in

@@ -7,7 +7,6 @@ catches."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
@@ -26,9 +25,6 @@ from vllm_ddtree.gpu.verify_sampling import (
 from vllm_ddtree.tree import build_tree
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 P_MIN = 1e-3
 
 
@@ -55,7 +51,7 @@ def _rows(num_reqs: int, width: int, states=None):
     return expanded, local, positions, cu
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("V", "budget"), [(40, 12), (5000, 31), (9000, 6)])
 def test_choice_kernel_matches_reference(seed, V, budget):
@@ -88,7 +84,7 @@ def test_choice_kernel_matches_reference(seed, V, budget):
     assert (want[width:] == NO_CHILD).any() and (want[width:] >= 0).any()
 
 
-@needs_triton
+@pytest.mark.triton
 def test_keyed_uniforms():
     """Without given uniforms each row's uniform is keyed by (seed, position): the same
     keys give the same choices, also at other rows of a launch; over 600 positions a
@@ -221,7 +217,7 @@ def test_stop_draw_replaces_only_no_child_stops():
     assert torch.isneginf(seen[0][:, [4, 7]]).all() and seen[0][:, [0, 5, 9]].eq(0).all()
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31), (700, 200)])
 def test_stop_draw_kernel_matches_torch(seed, V, budget):

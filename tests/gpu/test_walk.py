@@ -3,7 +3,6 @@
 (``walk_rows_torch``, the core's walk on this layout; its semantics are tested against
 the Python reference walk in test_tree_state.py)."""
 
-import os
 
 import numpy as np
 import pytest
@@ -15,9 +14,6 @@ from vllm_ddtree.tree import build_tree
 
 B, D, V = 12, 4, 30
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton walk runs
-needs_interp = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="runs under TRITON_INTERPRET=1 (set by .ci/run) or on a GPU")
 
 
 def _states(seed):
@@ -37,7 +33,7 @@ def _states(seed):
     return g, ts
 
 
-@needs_interp
+@pytest.mark.triton
 @pytest.mark.parametrize("seed", range(3))
 def test_fused_walk_kernel_matches_torch_walk(seed):
     """A batch with a chain fallback, a cut tree, a draft-less request and deep matches:
