@@ -23,15 +23,14 @@ up() {  # port pid: wait for /health while the server lives
   done
   echo "server on port $1 did not come up"; return 1
 }
-completions() {  # port file: greedy token ids of the check prompts, as JSON
+completions() {  # port file: greedy token ids of benchmarks.greedy_ties' cases, as JSON
   python3 - "$1" > "$2" <<'PY'
 import json, sys, urllib.request
+from benchmarks.greedy_ties import CASES
 port = sys.argv[1]
 model = json.load(urllib.request.urlopen(f"http://localhost:{port}/v1/models"))["data"][0]["id"]
 out = []
-for prompt, n in [("def fibonacci(n):", 64),
-                  (["The capital of France is", "Write a haiku about trees.",
-                    "1, 1, 2, 3, 5, 8,", "Explain speculative decoding."], 96)]:
+for prompt, n in CASES:
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(f"http://localhost:{port}/v1/completions",
@@ -74,13 +73,14 @@ stop $PLAIN
 python3 - "$OUT" >> "$OUT/result.txt" <<'PY'
 import json, sys
 from pathlib import Path
+from benchmarks.greedy_ties import first_difference
 out = Path(sys.argv[1])
 a, b = (json.loads((out / f).read_text()) for f in ("ddtree.json", "plain.json"))
 same = sum(x == y for x, y in zip(a, b))
-print(f"--- greedy completions, DDTree against no speculation: {same}/{len(b)} token-identical")
+print(f"--- greedy completions, DDTree against no speculation: {same}/{len(b)} token-identical"
+      " (where they differ: python3 -m benchmarks.greedy_ties)")
 for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:  # where a completion first differs (a bf16 near-tie shows as a late split)
-        k = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    if (k := first_difference(x, y)) is not None:
         print(f"    completion {i}: first difference at token {k} of {len(y)}")
 c = {}
 for line in (out / "metrics.txt").read_text().splitlines():
