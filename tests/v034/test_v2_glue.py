@@ -168,6 +168,42 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
     assert len(done) == commits
 
 
+def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():
+    """vLLM's start-up sampler pass reaches the verifier's warm-up with the model's own
+    logits of one sampled row (the dtype a temperature-1 request brings), and vLLM's
+    default pass still runs (False)."""
+    from vllm_ddtree.gpu.model_state import DDTreeModelState
+
+    state = DDTreeModelState.__new__(DDTreeModelState)
+    state._verifier = None
+    hidden = torch.randn(4, 3)
+    assert state.dummy_sampler_run("sampler", hidden) is False  # no verifier: nothing
+    warmed = []
+    state._verifier = SimpleNamespace(warm_up=warmed.append)
+    state.compute_sample_logits = lambda h: torch.cat([h, h], dim=1).bfloat16()
+    assert state.dummy_sampler_run("sampler", hidden) is False
+    assert len(warmed) == 1 and warmed[0].shape == (1, 6)
+    assert warmed[0].dtype == torch.bfloat16
+
+
+def test_verifier_warm_up_reads_the_engines_tree_buffers(monkeypatch):
+    """The warm-up compiles on the engine's own node buffers (their layout is what a
+    step's launch specializes on) with the verifier's own draw."""
+    import vllm_ddtree.gpu.verifier as verifier
+
+    binding, _ = _binding(budget=5, depth=4)
+    calls = []
+    monkeypatch.setattr(verifier, "warm_choice_rule", lambda *a: calls.append(a))
+    ddtree = object.__new__(verifier.DDTreeVerifier)
+    ddtree.binding = binding
+    logits = torch.zeros(1, 8)
+    ddtree.warm_up(logits)
+    (x, walk_tokens, parents, depth, draw), = calls
+    assert x is logits and depth == 4 and draw == ddtree._draw
+    assert walk_tokens.data_ptr() == binding.trees.walk_tokens.data_ptr()
+    assert parents.data_ptr() == binding.trees.parents.data_ptr()
+
+
 @pytest.mark.parametrize("engine_chain", [None, "custom logits processors"])
 def test_add_request_clears_the_slots_old_tree(monkeypatch, engine_chain):
     """A reused request slot must not keep its previous request's tree: vLLM pads a new

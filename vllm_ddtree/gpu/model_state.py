@@ -13,6 +13,8 @@ model.
 * ``prepare_inputs`` / ``prepare_dummy_inputs``: RoPE reads the tree positions (one
   persistent buffer, so FULL CUDA graphs replay with the current step's values);
 * ``custom_sampler``: the verifier (:class:`~vllm_ddtree.gpu.verifier.DDTreeVerifier`);
+  ``dummy_sampler_run`` (vLLM's start-up sampler pass) has it compile its kernels for
+  the model's logits dtype;
 * ``add_request``: the slot's previous tree is dropped, and requests whose sampling
   features read a linear history are verified as a chain (logged once per reason).
 """
@@ -65,6 +67,7 @@ class DDTreeModelState(DefaultModelState):
                               if vllm_config.model_config.logits_processors else None)
         # (vLLM's attention groups, the target's groups among them): see prepare_attn
         self._target_groups: tuple[list, list] | None = None
+        self._verifier: DDTreeVerifier | None = None  # built by custom_sampler
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
         super().add_request(req_index, new_req_data)
@@ -128,4 +131,13 @@ class DDTreeModelState(DefaultModelState):
     def custom_sampler(self, sampler: Any) -> tuple[Any, DDTreeVerifier]:
         from vllm_ddtree.gpu.verifier import DDTreeVerifier
 
-        return sampler, DDTreeVerifier(sampler, self.vllm_config, self.binding, self.device)
+        self._verifier = DDTreeVerifier(sampler, self.vllm_config, self.binding, self.device)
+        return sampler, self._verifier
+
+    def dummy_sampler_run(self, sampler: Any, hidden_states: torch.Tensor) -> bool:
+        # vLLM's warm-up compiles the verifier's kernels for float32 logits only; the
+        # model's own logits dtype is compiled here (DDTreeVerifier.warm_up).  False:
+        # vLLM's default dummy sampler run follows.
+        if self._verifier is not None:
+            self._verifier.warm_up(self.compute_sample_logits(hidden_states[:1]))
+        return False

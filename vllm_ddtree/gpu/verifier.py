@@ -30,7 +30,11 @@ from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-from vllm_ddtree.gpu.verify_sampling import choose_children, draw_stop_tokens
+from vllm_ddtree.gpu.verify_sampling import (
+    choose_children,
+    draw_stop_tokens,
+    warm_choice_rule,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,6 +116,14 @@ class DDTreeVerifier:
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs,
                              num_nans=num_nans, num_sampled=num_sampled,
                              num_rejected=num_rejected)
+
+    def warm_up(self, logits: torch.Tensor) -> None:  # [n >= 1, vocab] the model's logits
+        """Compile the choice rule's kernels for the model's own logits
+        (:func:`~vllm_ddtree.gpu.verify_sampling.warm_choice_rule`); called from vLLM's
+        dummy sampler run at start-up."""
+        trees = self.binding.trees
+        warm_choice_rule(logits, trees.walk_tokens, trees.parents, trees.max_depth,
+                         self._draw)
 
     def _uses_choice_rule(self, idx_mapping_np: np.ndarray) -> bool:
         """Host-side: the batch has a sampled request and none with its own seed (a

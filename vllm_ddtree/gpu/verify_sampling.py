@@ -320,3 +320,35 @@ def draw_stop_tokens_triton(
         BLOCK_B=next_pow2(budget), BLOCK_V=block_v, num_warps=4)
     drawn = draw(rows, idx_mapping, stop_pos)
     _emit_stop_kernel[(R,)](sampled, sampled.stride(0), num_accepted, need, drawn)
+
+
+def warm_choice_rule(
+    logits: torch.Tensor,  # [n >= 1, V] logits as the verifier receives them
+    walk_tokens: torch.Tensor,  # [S, B] int64 the engine's node tokens by request state
+    parents: torch.Tensor,  # [S, B] int64 the engine's node parents by request state
+    max_depth: int,
+    draw: DrawRows,
+) -> None:
+    """Compile the choice rule's kernels before serving, for the dtype and layout of
+    ``logits`` and for float32.  vLLM's warm-up samples with processed (float32) logits,
+    but a request at temperature 1 without top-k/top-p reaches the verifier with the
+    model's own (e.g. bf16) logits, and Triton compiles a kernel per pointer dtype: the
+    first such request would otherwise wait for three compilations.  One request row, on
+    the engine's own tree buffers (read only) and scratch outputs; off the GPU nothing
+    is compiled."""
+    if not use_triton(logits):
+        return
+    dev, budget = logits.device, walk_tokens.shape[1]
+    zero32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    zero64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    rows = logits[:1]
+    for x in {rows.dtype: rows, torch.float32: rows.float()}.values():
+        choices = choose_children_triton(
+            x, zero32, zero32, zero64, torch.ones(1, device=dev), zero64, walk_tokens,
+            parents)
+        sampled = torch.full((1, 1 + budget), -1, dtype=torch.int64, device=dev)
+        path = torch.zeros((1, max_depth + 1), dtype=torch.int64, device=dev)
+        draw_stop_tokens_triton(
+            x, choices, sampled, path, torch.ones(1, dtype=torch.int64, device=dev),
+            torch.tensor([0, 1], dtype=torch.int32, device=dev), zero32, zero64,
+            walk_tokens, parents, draw)
