@@ -8,7 +8,7 @@
 # and unpacks once all parts are there; the SmolLM2 GGUF comes as .smol/gguf.part-a*
 # (scripts/gpu_train_smollm.sh --prepare), the gguf wheel as .whl/.  One part per call.
 # Stages that need vLLM stop at once when it is not unpacked (a host that was reset: copy
-# the parts again).  Full logs go to $OUT/<stage>/, tables to stdout.  On a host with vLLM installed, run the Python commands of docs/benchmarks.md
+# the parts again).  Full logs go to $OUT/<stage>/, tables to stdout.  On a host with vLLM installed, run the Python commands of docs/benchmarks.md and docs/benchmarks/*.md
 # directly instead.
 #
 #   a   with .smol/gguf.part-aa                   stash (versions, GPU name); step parts

@@ -43,8 +43,8 @@ STEP_COST: dict[int, dict[int, float]] = {
     64: {16: 1.018, 32: 1.888, 64: 3.652},
 }
 # batch -> {verify tokens per request n: target forward time relative to n = 1} at
-# Qwen3-8B shape: how a step grows past the widest measured tree (docs/benchmarks.md,
-# "The adaptive schedule's model at Qwen3-8B shape")
+# Qwen3-8B shape: how a step grows past the widest measured tree
+# (docs/benchmarks/step-cost-h200.md, "Every budget by batch size, the policy and the targets")
 VERIFY_GROWTH: dict[int, dict[int, float]] = {
     1: {1: 1.00, 16: 1.23, 32: 1.25, 64: 1.27, 128: 1.35, 256: 1.69, 512: 2.76},
     4: {1: 1.00, 16: 1.10, 32: 1.15, 64: 1.38, 128: 2.03, 256: 3.73, 512: 7.31},
@@ -98,8 +98,8 @@ def candidates(max_budget: int, depth: int) -> list[int]:
     whole row blocks of the Triton tree attention (16 rows; 32 over the tree keys of
     trees wider than 32 rows, which ``2**k - 1`` budgets fill): one node more opens a
     block for one row, which doubled the tree attention at 32 requests on an earlier
-    tiling of 16-row blocks (docs/benchmarks.md, "Tree build and tree attention at
-    Qwen3-8B shape").  A maximum with no such budget above ``D`` is kept."""
+    tiling of 16-row blocks (docs/benchmarks/core-gpu.md, "Tree build and tree attention
+    at Qwen3-8B shape").  A maximum with no such budget above ``D`` is kept."""
     out = {min(depth, max_budget)}
     b = 15
     while b <= max_budget:

@@ -21,10 +21,10 @@ Two variants (``pruned``):
 * one pass: each program also writes its chunk's max and sum of exponentials
   (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
   151936-token vocabulary this was the DDTree step's largest own kernel in a profile of
-  the whole step (480 rows, k = 15; docs/benchmarks.md, "Tree build and tree attention
+  the whole step (480 rows, k = 15; docs/benchmarks/core-gpu.md, "Tree build and tree attention
   at Qwen3-8B shape"): compute-bound on the ``k`` reductions.
 * pruned (the default: it halves the tree build at 32 requests x budget 15,
-  docs/benchmarks.md, "Tree build and tree attention at Qwen3-8B shape"): a first kernel
+  docs/benchmarks/core-gpu.md, "Tree build and tree attention at Qwen3-8B shape"): a first kernel
   writes the chunk maxima and sums; ``t`` = the ``k``-th largest chunk maximum of the row
   (one program per row) is a lower bound on the row's ``k``-th largest value (the top
   ``k`` chunk maxima are ``k`` distinct entries >= ``t``), so only entries >= ``t`` can
@@ -46,7 +46,7 @@ if HAS_TRITON:
 
 # Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
 # its k reductions per chunk are faster than torch.topk only up to k = 16 (a limit of
-# 32 made the build at 32 requests over 1.5x slower; docs/benchmarks.md, "Tree build
+# 32 made the build at 32 requests over 1.5x slower; docs/benchmarks/core-gpu.md, "Tree build
 # and tree attention at Qwen3-8B shape").
 ONE_PASS_MAX_K = 16
 PRUNED_MAX_K = 64
@@ -231,7 +231,7 @@ class TopkTuning(NamedTuple):
 def topk_tuning(k: int, rows: int) -> TopkTuning:
     """:func:`topk_lse_triton`'s default launch settings for ``k`` and ``rows`` rows,
     chosen by a sweep at a 151936-token vocabulary (``benchmarks.tree_build_tuning``;
-    docs/benchmarks/step-cost-h200.md, "The tree build's top-k and sorts retuned").  The
+    docs/benchmarks/step-cost-h200.md, "The tree build's top-k and sort settings").  The
     bound by one sort on one warp; 4-warp chunk programs (the ``rows x chunks`` grid
     fills the GPU); the merge by one sort of up to
     ``max(128, 4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of

@@ -202,7 +202,7 @@ def build_warps(sort_width: int, global_width: int) -> int:
     and whose global selection sorts ``global_width``: 8 from 512-key sorts (budget 63:
     a quarter less time a request than 4), else 4 (1 or 2 are no faster at budget 15,
     slower at 31); from ``benchmarks.tree_build_tuning`` (docs/benchmarks/step-cost-h200.md,
-    "The tree build's top-k and sorts retuned")."""
+    "The tree build's top-k and sort settings")."""
     return 8 if sort_width >= 512 or global_width >= 2048 else 4
 
 

