@@ -256,3 +256,29 @@ def test_stop_draw_kernel_matches_torch(seed, V, budget):
         assert torch.equal(a.contiguous(), b)
     assert torch.isneginf(seen["triton"][0]).any()  # children masked
     assert torch.equal(out["torch"], out["triton"])
+
+
+@pytest.mark.triton
+def test_warm_up_compiles_both_logits_dtypes_on_the_engines_buffers(monkeypatch):
+    """``warm_choice_rule`` launches the choice and stop-row kernels once for the logits'
+    own dtype and once for float32 (one draw each), on the engine's tree buffers, which
+    it leaves as they were; off the GPU (no kernels to compile) it does nothing."""
+    import vllm_ddtree.gpu.verify_sampling as vs
+
+    trees = _trees(4, 6, 4, torch.randn(4, 4, 50, generator=torch.Generator().manual_seed(0)))
+    walk_tokens, parents = trees.walk_tokens.to(DEV), trees.parents.to(DEV)
+    before = walk_tokens.clone(), parents.clone()
+    draws = []
+
+    def draw(rows, states, positions):
+        draws.append((rows.dtype, tuple(rows.shape)))
+        return torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+
+    logits = torch.randn(3, 50, device=DEV).bfloat16()
+    if not logits.is_cuda:
+        vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
+        assert draws == []  # the torch reference runs off the GPU: nothing to compile
+        monkeypatch.setattr(vs, "use_triton", lambda t: True)  # the interpreter runs them
+    vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
+    assert draws == [(torch.float32, (1, 50))] * 2  # bf16 logits, then float32
+    assert torch.equal(walk_tokens, before[0]) and torch.equal(parents, before[1])
