@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,14 +72,25 @@ def server_cmd(target: Path, port: int, spec: dict | None = None, max_model_len:
 
 
 class Server:
-    def __init__(self, name: str, target: Path, log_dir: Path, spec: dict | None = None,
-                 max_model_len: int = 512, extra_args: tuple[str, ...] = ()):
+    """A server started by :func:`server_cmd`, or by ``command(port)`` with the
+    environment ``env`` where they are given (a user's command line, run as written)."""
+
+    def __init__(self, name: str, target: Path | None, log_dir: Path, spec: dict | None = None,
+                 max_model_len: int = 512, extra_args: tuple[str, ...] = (), *,
+                 command: Callable[[int], list[str]] | None = None,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = server_cmd(target, self.port, spec, max_model_len, extra_args)
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is too big here
+        if command is not None:
+            cmd = command(self.port)
+        else:
+            assert target is not None
+            cmd = server_cmd(target, self.port, spec, max_model_len, extra_args)
+        if env is None:
+            env = dict(os.environ)
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is too big here
+        self._model: str | None = None
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
@@ -95,6 +107,13 @@ class Server:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
+
+    @property
+    def model(self) -> str:
+        """The served model's name, as the server lists it (``/v1/models``)."""
+        if self._model is None:
+            self._model = json.loads(self.get("/v1/models"))["data"][0]["id"]
+        return self._model
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.base + path, timeout=30) as r:
