@@ -17,7 +17,8 @@
 #   quickstart  the README's GPU quick start on the SmolLM2 pair
 #             (benchmarks/gpu_quickstart.sh: `vllm serve` with DDTree, the README's request,
 #             the start-up line naming DDTree, τ; greedy tokens against no speculation);
-#             carry .whl/ (the gguf wheel) and the DFlash drafter with it
+#             carry .whl/ (the gguf wheel; orjson for vLLM's server where the stack lacks
+#             it) and the DFlash drafter with it
 #   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
@@ -62,7 +63,9 @@ quickstart)
   export PATH=/tmp/bin:$PATH
   G=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf; cat $SMOL/gguf.part-* > $G
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c -
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl
+  # gguf (the README's `pip install`), and vLLM's server dependencies the 0.34 stack may
+  # lack (orjson): every wheel carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site VLLM_DDTREE_SMOLLM_GGUF=$G
   OFFLINE=1 timeout 480 bash benchmarks/gpu_quickstart.sh "$LOG/qs" > "$LOG/qs.log" 2>&1
   echo "exit $?"; sed -n '/^=== quick start result/,$p' "$LOG/qs.log"
