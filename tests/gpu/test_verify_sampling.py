@@ -279,6 +279,8 @@ def test_warm_up_compiles_both_logits_dtypes_on_the_engines_buffers(monkeypatch)
         vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
         assert draws == []  # the torch reference runs off the GPU: nothing to compile
         monkeypatch.setattr(vs, "use_triton", lambda t: True)  # the interpreter runs them
+    vs.warm_choice_rule(logits[:0], walk_tokens, parents, 4, draw)
+    assert draws == []  # no row to launch on
     vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
     assert draws == [(torch.float32, (1, 50))] * 2  # bf16 logits, then float32
     assert torch.equal(walk_tokens, before[0]) and torch.equal(parents, before[1])

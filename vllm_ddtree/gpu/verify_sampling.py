@@ -336,7 +336,7 @@ def warm_choice_rule(
     first such request would otherwise wait for three compilations.  One request row, on
     the engine's own tree buffers (read only) and scratch outputs; off the GPU nothing
     is compiled."""
-    if not use_triton(logits):
+    if not use_triton(logits) or logits.shape[0] == 0:
         return
     dev, budget = logits.device, walk_tokens.shape[1]
     zero32 = torch.zeros(1, dtype=torch.int32, device=dev)
