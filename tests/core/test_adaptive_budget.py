@@ -14,6 +14,7 @@ from vllm_ddtree.adaptive.schedule import (
     best_budget,
     budget_schedule,
     candidates,
+    drafter_budgets,
     step_cost,
     tau,
 )
@@ -54,6 +55,29 @@ def test_schedule_takes_the_measured_fastest_budget():
         fastest = max((15, 31, 63), key=lambda b: tau(b, 15) / cost[1 + b])
         assert best_budget(batch, 63, 15) == fastest, batch
     assert [b for _, _, b in budget_schedule(63, 15)] == [63, 31, 15]
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 4, 8, 16, 24, 32], [2, 8], [3], []])
+@pytest.mark.parametrize("step", [
+    [0, 63, 31, 31] + [15] * 37,  # the adaptive schedule (never grows with the batch)
+    [0, 7, 7, 15, 15, 3, 3, 3, 31] + [15] * 32,  # a user's schedule that grows and falls
+])
+def test_drafter_budgets_cover_every_step_of_their_graph(sizes, step):
+    """A drafter pass replays the graph of the smallest size holding its requests: the
+    tree captured in it has at least every budget a step it serves verifies, and no more
+    than the largest of them; passes beyond the largest graph build their own step's."""
+    out = drafter_budgets(step, sizes)
+    assert len(out) == len(step) and out[0] == 0
+    for n in range(1, len(step)):
+        graph = min((s for s in sizes if s >= n), default=None)
+        if graph is None:  # eager
+            assert out[n] == step[n]
+            continue
+        served = [m for m in range(1, graph + 1)
+                  if min(s for s in sizes if s >= m) == graph]
+        assert out[n] == out[graph] == max(step[m] for m in served)
+    if sizes == [1, 2, 4, 8, 16, 24, 32] and step[3] == 31:
+        assert out[1:10] == [63, 31, 31, 31, 15, 15, 15, 15, 15]  # batch 3 pads to 4
 
 
 def test_config_sets_vllm_schedule(root):

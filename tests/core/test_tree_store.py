@@ -75,6 +75,39 @@ def test_triton_matches_reference(B, D, draft_dtype):
         assert int(depths[:R].max()) > 1
 
 
+@pytest.mark.parametrize(("N", "B"), [(15, 63), (31, 63), (1, 15), (15, 15)])
+def test_narrow_tree_fills_the_first_slots(N, B, triton_runs):
+    """A tree of ``N`` nodes stored into outputs of ``B`` slots (a drafter pass building
+    less than the engine's budget): its rows equal the first ``N + 1`` rows of the
+    budget-``B`` tree (best-first: the first ``N`` nodes are the best ``N``-node tree),
+    the other slots are never accepted and see only themselves."""
+    R, D = 6, 8
+    logits = _logits(R, D, seed=N * 7 + B)
+    bad = torch.tensor([False, True, False, False, False, False])
+    wide_tree, tree = build_tree(logits, B), build_tree(logits, N)
+    assert tree.width == N
+    wide = _outputs(R, B, D, torch.int64)
+    _run(store_trees_torch, wide_tree, bad, wide_tree.top1, wide)
+    stores = [store_trees_torch] + ([store_trees_triton] if triton_runs else [])
+    for store in stores:
+        got = _outputs(R, B, D, torch.int64)
+        _run(store, tree, bad, tree.top1, got)
+        draft, walk, parents, depths, bits, chain = (t.cpu() for t in got)
+        assert torch.equal(walk[:, :N], wide[1].cpu()[:, :N]), store.__name__
+        assert torch.equal(draft[:, :N], wide[0].cpu()[:, :N])
+        assert torch.equal(parents[:, :N], wide[2].cpu()[:, :N])
+        assert torch.equal(depths[:, :N + 1], wide[3].cpu()[:, :N + 1])
+        assert torch.equal(bits[:, :N + 1], wide[4].cpu()[:, :N + 1])
+        assert torch.equal(chain, wide[5].cpu())
+        assert torch.all(walk[:, N:] == -1) and torch.all(draft[:, N:] == 0)
+        assert torch.all(parents[:, N:] == 0) and torch.all(depths[:, N + 1:] == 0)
+        own = torch.zeros_like(bits[0])
+        for i in range(N + 1, B + 1):
+            own[i, i // 32] = torch.tensor(1 << (i % 32), dtype=torch.int64).to(torch.int32)
+        assert torch.equal(bits[:, N + 1:], own[N + 1:].expand(R, -1, -1))
+    assert int((wide[1][:, N:] >= 0).sum()) > 0 or N == B  # the wide tree has more nodes
+
+
 @pytest.mark.triton
 def test_chain_sets_the_sign_bit():
     """A 40-node chain: row i sees rows 0..i (a full word 0 is -1: bit 31 is the sign)."""
@@ -135,8 +168,11 @@ def test_reference_matches_store_batch(B, D, triton_runs):
 
 def test_rejects_mismatched_outputs():
     tree = build_tree(_logits(2, 3, seed=0), 7)
+    args = (tree.token_ids, tree.parents, tree.depths, torch.zeros(2, dtype=torch.bool),
+            torch.zeros(2, 3, dtype=torch.int64))
     outs = _outputs(2, 7, 3, torch.int64)
     outs[3] = outs[3][:, :-1]  # depths must have B + 1 columns
     with pytest.raises(ValueError, match="not"):
-        store_trees(tree.token_ids, tree.parents, tree.depths, torch.zeros(2, dtype=torch.bool),
-                    torch.zeros(2, 3, dtype=torch.int64), *outs)
+        store_trees(*args, *outs)
+    with pytest.raises(ValueError, match="do not fit"):  # a tree wider than the outputs
+        store_trees(*args, *_outputs(2, 5, 3, torch.int64))

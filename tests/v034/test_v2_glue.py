@@ -168,6 +168,37 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
     assert len(done) == commits
 
 
+@pytest.mark.parametrize(("schedule", "online", "mode", "want"), [
+    # the adaptive schedule: batch 3 replays the 4-request graph, batches past the
+    # largest graph (8) run eagerly
+    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], False, "FULL_AND_PIECEWISE",
+     [0, 63, 31, 31, 31, 15, 15, 15, 15, 15, 15]),
+    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], False, "NONE",  # no drafter graphs
+     [0, 63, 31, 31, 15, 15, 15, 15, 15, 15, 15]),
+    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], True, "FULL_AND_PIECEWISE", None),
+    (None, False, "FULL_AND_PIECEWISE", None),  # a fixed budget
+])
+def test_drafter_pass_builds_the_budget_its_graph_serves(schedule, online, mode, want):
+    """The tree each drafter pass builds, from vLLM's own schedule lookup and the
+    drafter's graph sizes; the online policy (any budget at any batch size) and fixed
+    budgets build the full budget."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.budget, spec.max_num_reqs = 63, 10
+    spec.online = object() if online else None
+    spec.speculative_config = SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
+    config = SimpleNamespace(compilation_config=SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode[mode],
+        decode_cudagraph_capture_request_sizes=[1, 2, 4, 8]))
+    spec._tree_budgets = spec._drafter_budgets(config)
+    assert spec._tree_budgets == want
+    got = [spec._pass_budget(n) for n in range(1, 11)]
+    assert got == (want[1:] if want else [63] * 10)
+
+
 def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():
     """vLLM's start-up sampler pass reaches the verifier's warm-up with the model's own
     logits of one sampled row (the dtype a temperature-1 request brings), and vLLM's

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable, Sequence
 
 # batch -> {verify rows per request: DDTree step time / DFlash-15 step time}, measured
 # at equal acceptance, mean of T = 0 and T = 1; fitted with ``benchmarks.step_cost --fit``
@@ -164,3 +165,24 @@ def capture_schedule(max_budget: int, depth: int) -> list[tuple[int, int, int]]:
     for i, b in enumerate(c for c in candidates(max_budget, depth) if c not in used):
         sched.append((start + i, start + i, b))
     return sched
+
+
+def drafter_budgets(step_budget: Sequence[int], graph_sizes: Iterable[int]) -> list[int]:
+    """The tree budget of a drafter pass of ``n`` requests, for every ``n`` (index 0
+    unused), given ``step_budget[n]``, the draft tokens vLLM's scheduler gives a step of
+    ``n`` requests (vLLM's dense lookup, index 0 unused), and the request counts of the
+    drafter's CUDA graphs.
+
+    A pass of ``n`` requests replays the graph of the smallest size ``N >= n``, whose
+    tree build was fixed at capture, so that graph builds the largest budget among the
+    batch sizes it serves (``N' < m <= N``, ``N'`` the next smaller size): no step
+    verifies more rows than its tree has nodes, and no pass builds a wider tree than a
+    step it serves verifies.  A pass of more requests than the largest graph runs
+    eagerly and builds its own step's budget."""
+    sizes = sorted({s for s in graph_sizes if s > 0})
+    out = list(step_budget)
+    for n in range(1, min(len(step_budget), sizes[-1] + 1) if sizes else 1):
+        i = bisect.bisect_left(sizes, n)
+        lo = sizes[i - 1] + 1 if i > 0 else 1
+        out[n] = max(step_budget[lo:sizes[i] + 1])
+    return out

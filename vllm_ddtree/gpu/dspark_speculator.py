@@ -68,6 +68,6 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
             hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
         # [num_reqs] the anchor slot's input: the request's last committed token
         roots = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]].long()
-        tree = build_conditioned_tree(base_logits, roots, self._markov_bias, self.budget,
-                                      self._draft_to_target)
+        tree = build_conditioned_tree(base_logits, roots, self._markov_bias,
+                                      self._pass_budget(num_reqs), self._draft_to_target)
         return tree, base_logits

@@ -34,6 +34,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._patch.target_model import bind_model_state, use_tree_attention
 from vllm_ddtree.adaptive.publisher import make_publisher
+from vllm_ddtree.adaptive.schedule import drafter_budgets
 from vllm_ddtree.config import ddtree_params
 from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.gpu.attention import (
@@ -86,6 +87,29 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._nonfinite_log = NonfiniteDraftLog()
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
+        # [max_num_reqs + 1]: the tree a drafter pass of n requests builds (None: budget)
+        self._tree_budgets = self._drafter_budgets(vllm_config)
+
+    def _drafter_budgets(self, vllm_config: VllmConfig) -> list[int] | None:
+        """With a per-batch-size schedule (``num_speculative_tokens_per_batch_size``,
+        e.g. ``ddtree_adaptive_budget``), vLLM's scheduler gives each step the budget of
+        its batch size and the verify cuts the tree to it (its first ``n`` nodes are the
+        best ``n``-node tree): a drafter pass builds only the largest budget its CUDA
+        graph serves (:func:`~vllm_ddtree.adaptive.schedule.drafter_budgets`).  The
+        online policy may give any candidate budget at any batch size: every pass
+        builds the full budget there (None)."""
+        spec = self.speculative_config
+        if self.online is not None or not spec.num_speculative_tokens_per_batch_size:
+            return None
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        # the scheduler's own lookup: batch size -> draft tokens of its step
+        step_budget = build_dynamic_sd_schedule_lookup(
+            spec.num_speculative_tokens_per_batch_size, self.max_num_reqs, self.budget)
+        compilation = vllm_config.compilation_config
+        graphs = (compilation.decode_cudagraph_capture_request_sizes or ()
+                  if compilation.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL else ())
+        return drafter_budgets(step_budget, graphs)
 
     def accept(self, accepted: Accepted) -> None:
         """The verifier's walk of this step (see the module docstring)."""
@@ -135,7 +159,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         """The batch's trees and the draft logits they were built from."""
         draft_logits = self.model.compute_logits(
             hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
-        return build_tree(draft_logits, self.budget), draft_logits
+        return build_tree(draft_logits, self._pass_budget(num_reqs)), draft_logits
+
+    def _pass_budget(self, num_reqs: int) -> int:
+        """The tree budget of a drafter pass of ``num_reqs`` requests (a Python int:
+        fixed in the pass's CUDA graph at capture)."""
+        return self.budget if self._tree_budgets is None else self._tree_budgets[num_reqs]
 
     def _sample_rows(self, num_reqs: int) -> torch.Tensor:  # [num_reqs * max_depth]
         """The drafter rows whose logits draft depths 1..D, request-major: vLLM's DFlash

@@ -101,11 +101,12 @@ class TreeStates:
     # -- drafter side ----------------------------------------------------------------
     def store_batch(
         self,
-        tree: DraftTree,  # num_reqs trees of budget nodes
+        tree: DraftTree,  # num_reqs trees of at most budget nodes
         draft_logits: torch.Tensor,  # [num_reqs, max_depth, vocab]
         draft_tokens: torch.Tensor,  # [max_num_reqs, budget] the speculator's draft tokens
     ) -> torch.Tensor:  # [num_reqs] bool
-        """Write the batch's trees (one kernel, :func:`store_trees`; graph-capturable).
+        """Write the batch's trees (one kernel, :func:`store_trees`; graph-capturable);
+        slots past a narrower tree's nodes are never accepted.
         Requests whose draft logits hold NaN/inf get an empty tree and an empty chain
         (bonus token only) and are counted in ``num_nonfinite``; returns their mask.
         The drafter's chain and the NaN/inf mask are the tree build's by-products

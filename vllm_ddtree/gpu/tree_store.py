@@ -31,13 +31,16 @@ def _check_shapes(
     outs: tuple[torch.Tensor, ...],
 ) -> None:
     """Shape checks on metadata only (no device access)."""
-    R, B = token_ids.shape
+    R, N = token_ids.shape
     D = top1.shape[1]
+    out_draft, out_walk, out_parents, out_depths, out_bits, out_chain = outs
+    B = out_walk.shape[-1]
     W = B + 1
     NW = (W + 31) // 32
-    out_draft, out_walk, out_parents, out_depths, out_bits, out_chain = outs
-    if parents.shape != (R, B) or depths.shape != (R, B) or bad.shape != (R,):
-        raise ValueError("store_trees: token_ids, parents, depths must be [R, B], bad [R]")
+    if parents.shape != (R, N) or depths.shape != (R, N) or bad.shape != (R,):
+        raise ValueError("store_trees: token_ids, parents, depths must be [R, N], bad [R]")
+    if N > B:
+        raise ValueError(f"store_trees: trees of {N} nodes do not fit outputs of {B}")
     if top1.shape[0] != R:
         raise ValueError(f"store_trees: top1 must be [R={R}, D], got {tuple(top1.shape)}")
     wanted = [(out_draft, (B,)), (out_walk, (B,)), (out_parents, (B,)), (out_depths, (W,)),
@@ -49,9 +52,9 @@ def _check_shapes(
 
 
 def store_trees_torch(
-    token_ids: torch.Tensor,  # [R, B] int64
-    parents: torch.Tensor,  # [R, B] int64
-    depths: torch.Tensor,  # [R, B] int64
+    token_ids: torch.Tensor,  # [R, N] int64, N <= B
+    parents: torch.Tensor,  # [R, N] int64
+    depths: torch.Tensor,  # [R, N] int64
     bad: torch.Tensor,  # [R] bool
     top1: torch.Tensor,  # [R, D] int64
     out_draft_tokens: torch.Tensor,  # [>=R, B] int64 or int32
@@ -61,12 +64,17 @@ def store_trees_torch(
     out_bits: torch.Tensor,  # [>=R, B + 1, NW] int32
     out_chain: torch.Tensor,  # [>=R, D] int64
 ) -> None:
-    """Reference of :func:`store_trees`: the core's functions on a copy of the trees.
-    The inputs are not modified."""
-    R, B = token_ids.shape
+    """Reference of :func:`store_trees`: the core's functions on a copy of the trees,
+    widened to the outputs' ``B`` slots.  The inputs are not modified."""
+    R, N = token_ids.shape
+    B = out_walk_tokens.shape[1]
     D = top1.shape[1]
     dev = token_ids.device
-    tree = DraftTree(token_ids.clone(), parents.clone(), depths.clone(),
+
+    def widen(t: torch.Tensor, fill: int) -> torch.Tensor:  # [R, N] -> [R, B]
+        return torch.cat([t, t.new_full((R, B - N), fill)], dim=1)
+
+    tree = DraftTree(widen(token_ids, -1), widen(parents, -1), widen(depths, 0),
                      num_nodes=(token_ids >= 0).sum(dim=1),
                      scores=torch.zeros((R, B), dtype=torch.float32, device=dev),
                      max_depth=D)
@@ -90,13 +98,14 @@ if HAS_TRITON:
         OUT_DRAFT, OUT_WALK, OUT_PAR, OUT_DEP, OUT_BITS, OUT_CHAIN,
         s_tok, s_par, s_dep, s_top1, s_top1_d, s_draft, s_walk, s_opar, s_odep, s_bits_r, s_bits_w,
         s_chain,
-        B: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+        N: tl.constexpr, B: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NW: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         good = tl.load(BAD + r) == 0
-        n_live = tl.where(good, B, 0)  # slots read from the inputs (a bad tree is empty)
+        # slots read from the inputs (N of the B output slots; a bad tree is empty)
+        n_live = tl.where(good, N, 0)
         par_row = PAR + r * s_par
 
         # nodes: tokens and parents
@@ -124,8 +133,8 @@ if HAS_TRITON:
         one = tl.full([BLOCK_W, BLOCK_NW], 1, tl.int64)
         bits = tl.where(own, one << (i % 32).to(tl.int64)[:, None], 0)
         anc = tl.load(par_row + i - 1, mask=node, other=-1).to(tl.int64)
-        # (a chain of B nodes is the deepest tree: the bound only guards malformed input)
-        for _ in range(tl.minimum(tl.max(dep, axis=0), B)):
+        # (a chain of N nodes is the deepest tree: the bound only guards malformed input)
+        for _ in range(tl.minimum(tl.max(dep, axis=0), N)):
             a = tl.maximum(anc, 0)
             hit = (anc >= 0)[:, None] & ((a // 32)[:, None] == w[None, :])
             bits = bits | tl.where(hit, one << (a % 32)[:, None], 0)
@@ -144,9 +153,9 @@ if HAS_TRITON:
 
 
 def store_trees(
-    token_ids: torch.Tensor,  # [R, B] int64 tree node tokens, -1 in unused slots
-    parents: torch.Tensor,  # [R, B] int64 parent verify row (0 = root, k+1 = node k), -1 unused
-    depths: torch.Tensor,  # [R, B] int64 node depth 1..D, 0 unused
+    token_ids: torch.Tensor,  # [R, N] int64 tree node tokens, -1 in unused slots; N <= B
+    parents: torch.Tensor,  # [R, N] int64 parent verify row (0 = root, k+1 = node k), -1 unused
+    depths: torch.Tensor,  # [R, N] int64 node depth 1..D, 0 unused
     bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
     top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
     out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
@@ -158,6 +167,9 @@ def store_trees(
 ) -> None:
     """Write rows ``0..R`` of the outputs (later rows are untouched):
 
+    * trees of ``N`` nodes fill the first ``N`` of the outputs' ``B`` slots, the rest are
+      unused (a smaller tree than the engine's budget: see the speculator's
+      ``_tree_budgets``);
     * a request with ``bad[r]`` gets an empty tree (every slot unused) and chain row -1;
     * ``out_draft_tokens = token_ids.clamp(min=0)``, ``out_walk_tokens = token_ids``,
       ``out_parents = parents.clamp(min=0)``;
@@ -177,9 +189,9 @@ def store_trees(
 
 
 def store_trees_triton(
-    token_ids: torch.Tensor,  # [R, B] int64 tree node tokens, -1 in unused slots
-    parents: torch.Tensor,  # [R, B] int64 parent verify row (0 = root, k+1 = node k), -1 unused
-    depths: torch.Tensor,  # [R, B] int64 node depth 1..D, 0 unused
+    token_ids: torch.Tensor,  # [R, N] int64 tree node tokens, -1 in unused slots; N <= B
+    parents: torch.Tensor,  # [R, N] int64 parent verify row (0 = root, k+1 = node k), -1 unused
+    depths: torch.Tensor,  # [R, N] int64 node depth 1..D, 0 unused
     bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
     top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
     out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
@@ -191,7 +203,8 @@ def store_trees_triton(
 ) -> None:
     """The Triton launcher of :func:`store_trees`: one program per request."""
     outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
-    R, B = token_ids.shape
+    R, N = token_ids.shape
+    B = out_walk_tokens.shape[1]
     D = top1.shape[1]
     for t in (token_ids, parents, depths, *outs):  # top1 may be strided (a view)
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -208,7 +221,7 @@ def store_trees_triton(
         top1.stride(1),
         out_draft_tokens.stride(0), out_walk_tokens.stride(0), out_parents.stride(0),
         out_depths.stride(0), out_bits.stride(0), out_bits.stride(1), out_chain.stride(0),
-        B=B, D=D, NW=NW,
+        N=N, B=B, D=D, NW=NW,
         BLOCK_B=max(16, next_pow2(B)), BLOCK_W=block_w, BLOCK_NW=block_nw,
         BLOCK_D=max(16, next_pow2(D)),
         num_warps=4 if block_w * block_nw <= 2048 else 8)
