@@ -20,6 +20,9 @@
 #             carry .whl/ (the gguf wheel; orjson for vLLM's server where the stack lacks
 #             it) and the DFlash drafter with it
 #   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
+#   units     GPU unit tests without engines (UNITS: pytest paths; default the no-sync
+#             step and the tree store), then the Qwen3-8B-shaped pair for `stepcost`
+#             written to /tmp/shaped (its first run then starts engines at once)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
 # Logs under $OUT/<stage>/, tables on stdout.  On an H100 a DDTree engine of a tiny
@@ -77,6 +80,16 @@ sampling)
   watchdog 540 "$LOG/pytest.log" python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_gpu_engines.py -m gpu -k sampling
   echo "exit $?"; tail -n 15 "$LOG/pytest.log"; cleanup
+  ;;
+units)
+  banner "GPU unit tests"
+  watchdog 300 "$LOG/pytest.log" python3 -m pytest -q -p no:cacheprovider \
+    ${UNITS:-tests/gpu/test_no_sync.py tests/core/test_tree_store.py}
+  echo "exit $?"; tail -n 15 "$LOG/pytest.log"
+  banner "the Qwen3-8B-shaped pair (accept_all)"
+  python3 -c "from benchmarks.shaped_models import write_pair; \
+print(write_pair('/tmp/shaped', 'qwen3-8b', 'accept_all', 'cuda'))" 2>&1 | tail -n 3
+  du -sh /tmp/shaped; df -h /tmp | tail -n 1
   ;;
 stepcost)
   banner "equal-acceptance step cost at Qwen3-8B shape"

@@ -174,9 +174,27 @@ def make_engine(args, spec, width):
         kw["jit_monitor_verbose"] = True
     if not args.eager:
         kw["compilation_config"] = {"max_cudagraph_capture_size":
-                                    min(max(args.batches) * width, args.max_num_batched_tokens)}
+                                    min(graph_tokens(spec, width, max(args.batches)),
+                                        args.max_num_batched_tokens)}
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return LLM(**kw)
+
+
+def graph_tokens(spec: dict | None, width: int, max_batch: int) -> int:
+    """Tokens of the widest verify step up to ``max_batch`` requests: ``max_batch``
+    requests of ``width`` rows, or under ``ddtree_adaptive_budget: true`` the widest
+    step of its schedule (63 nodes at batch 1, 15 from batch 4 up: the engine captures
+    the same graphs as a fixed engine of the width it picks, not 64 rows at every
+    batch size)."""
+    if not spec or spec.get("ddtree_adaptive_budget") is not True:
+        return max_batch * width
+    from vllm_ddtree.adaptive.schedule import budget_schedule
+
+    depth = json.loads((Path(spec["model"]) / "config.json").read_text()).get(
+        "block_size", 16) - 1
+    return max(min(hi, max_batch) * (1 + b)
+               for lo, hi, b in budget_schedule(spec["num_speculative_tokens"], depth)
+               if lo <= max_batch)
 
 
 def _cell(prompts, n: int, rep: int = 0) -> list:

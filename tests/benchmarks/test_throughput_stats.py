@@ -11,6 +11,7 @@ from benchmarks.throughput import (
     cell_row,
     check_base_modules,
     cpu_sets,
+    graph_tokens,
     has_suffix,
     pin_process_tree,
     rotated,
@@ -84,6 +85,18 @@ def test_methods_static_budgets_and_adaptive_maximum():
     for bad in (["ddtree-0"], ["ddtree-x"], ["eagle"], ["eagle@inproc"], ["dspark-ddtree-0"]):
         with pytest.raises(ValueError, match="unknown --methods"):
             build_methods(bad, [15], "D", 15)
+
+
+def test_graph_tokens_cover_the_widest_step(tmp_path):
+    """CUDA graphs up to the widest verify step: batch x width for a fixed budget, the
+    widest step of the adaptive schedule (64 rows at batch 1, 16 from batch 4 up) for
+    ``ddtree-auto``."""
+    (tmp_path / "config.json").write_text('{"block_size": 16}')
+    fixed, auto = (build_methods([m], [63], str(tmp_path), 15)[0]
+                   for m in ("ddtree-15", "ddtree-auto"))
+    assert graph_tokens(fixed[1], fixed[2], 64) == 1024
+    assert graph_tokens(None, 1, 64) == 64
+    assert [graph_tokens(auto[1], auto[2], b) for b in (1, 2, 8, 64)] == [64, 64, 128, 1024]
 
 
 def test_methods_over_a_dspark_drafter():
