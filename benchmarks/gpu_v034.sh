@@ -21,7 +21,7 @@
 #             it) and the DFlash drafter with it
 #   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
 #   units     GPU unit tests without engines (UNITS: pytest paths; default the no-sync
-#             step and the tree store), then the Qwen3-8B-shaped pair for `stepcost`
+#             step, the T > 0 choice rule and stop draw, the tree store), then the Qwen3-8B-shaped pair for `stepcost`
 #             written to /tmp/shaped (its first run then starts engines at once)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
@@ -84,7 +84,7 @@ sampling)
 units)
   banner "GPU unit tests"
   watchdog 300 "$LOG/pytest.log" python3 -m pytest -q -p no:cacheprovider \
-    ${UNITS:-tests/gpu/test_no_sync.py tests/core/test_tree_store.py}
+    ${UNITS:-tests/gpu/test_no_sync.py tests/gpu/test_verify_sampling.py tests/core/test_tree_store.py}
   echo "exit $?"; tail -n 15 "$LOG/pytest.log"
   banner "the Qwen3-8B-shaped pair (accept_all)"
   python3 -c "from benchmarks.shaped_models import write_pair; \

@@ -24,12 +24,6 @@ R = 4  # requests in the step
 W = B + 1
 
 
-def _draw(rows: torch.Tensor, row_states: torch.Tensor, positions: torch.Tensor):
-    """A Gumbel-max draw without vLLM (what the verifier's draw does, on the device)."""
-    noise = -torch.log(-torch.log(torch.rand_like(rows, dtype=torch.float32)))
-    return (rows.float() + noise).argmax(dim=-1)
-
-
 def _inputs(seed: int) -> dict:
     """What vLLM and the models hand the pieces in one step (made before the check)."""
     dev = torch.device("cuda")
@@ -80,7 +74,7 @@ def _step(trees: TreeStates, rows: StepRows, compactor: KVCompactor,
                               x["temperature"], x["seeds"], trees.walk_tokens, trees.parents)
     sampled, accepted = trees.walk(choices, cu, idx, R)
     draw_stop_tokens(logits, choices, sampled, accepted.path, accepted.num_accepted, cu, idx,
-                     rows.positions[:n], trees.walk_tokens, trees.parents, _draw)
+                     rows.positions[:n], trees.walk_tokens, trees.parents, x["seeds"])
 
     # next drafter pass: KV compaction, the hidden rows of the accepted path first
     compactor(x["slot_mapping"], x["logits_indices"], cu, accepted.path,

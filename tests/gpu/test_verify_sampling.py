@@ -135,11 +135,9 @@ def _exact(probs: torch.Tensor, tokens: list[int], parents: list[int], row: int 
     return out
 
 
-def _race(rows: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
-          g: torch.Generator) -> torch.Tensor:
-    """An exact draw from each row's softmax: the exponential race."""
-    q = torch.empty_like(rows).exponential_(generator=g)
-    return (rows.softmax(dim=-1) / q).argmax(dim=-1)
+def _gumbel(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """Standard Gumbel noise: argmax(logits + noise) is an exact draw from the softmax."""
+    return -torch.log(-torch.log(torch.rand(shape, generator=g).clamp(min=1e-12)))
 
 
 def _scheme_counts(seed: int, mask_children: bool) -> tuple[Counter, dict, int]:
@@ -159,7 +157,7 @@ def _scheme_counts(seed: int, mask_children: bool) -> tuple[Counter, dict, int]:
     parents = ts.parents if mask_children else torch.full_like(ts.parents, -1)
     draw_stop_tokens(logits, choices, sampled, acc.path, acc.num_accepted, cu,
                      torch.arange(N, dtype=torch.int32), positions, ts.walk_tokens, parents,
-                     lambda rows, s, p: _race(rows, s, p, g))
+                     torch.zeros(N, dtype=torch.int64), _gumbel((N, V), g))
     seqs = Counter(tuple(sampled[b, : int(acc.num_accepted[b])].tolist()) for b in range(N))
     exact = _exact(probs, ts.walk_tokens[0].tolist(), ts.parents[0].tolist())
     return seqs, exact, N
@@ -195,92 +193,145 @@ def test_scheme_test_catches_an_unmasked_stop_draw():
 
 
 def test_stop_draw_replaces_only_no_child_stops():
-    """A stop on NO_CHILD takes the draw (children masked); a stop on a chosen but
-    unscheduled child keeps that child's token; greedy argmax stops stay."""
+    """A stop on NO_CHILD takes the draw (children masked: their noise is the largest
+    here, yet token 9 is drawn); a stop on a chosen but unscheduled child keeps that
+    child's token; greedy argmax stops stay."""
     walk_tokens = torch.tensor([[4, 7]] * 3)
     parents = torch.zeros((3, 2), dtype=torch.int64)  # two children of the root
     cu = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
     choices = torch.tensor([NO_CHILD, 0, 0, 7, 0, 0, 2, 0, 0])
     sampled = torch.tensor([[NO_CHILD, -1, -1], [7, -1, -1], [2, -1, -1]])
     path = torch.tensor([[0, -1, -1]] * 3)
-    seen = []
-
-    def draw(rows, states, positions):
-        seen.append(rows.clone())
-        return torch.full((rows.shape[0],), 9)
-
-    logits = torch.zeros(9, 10)
-    draw_stop_tokens(logits, choices, sampled, path, torch.ones(3, dtype=torch.int64), cu,
-                     torch.arange(3, dtype=torch.int32), torch.arange(9), walk_tokens,
-                     parents, draw)
+    noise = torch.zeros(3, 10)
+    noise[:, [4, 7]] = 100.0
+    noise[:, 9] = 50.0
+    args = (torch.zeros(9, 10), choices, sampled, path, torch.ones(3, dtype=torch.int64), cu,
+            torch.arange(3, dtype=torch.int32), torch.arange(9), walk_tokens, parents,
+            torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="needs gumbel"):
+        draw_stop_tokens(*args)  # the torch reference takes its noise explicitly
+    draw_stop_tokens(*args, noise)
     assert sampled[:, 0].tolist() == [9, 7, 2]
-    assert torch.isneginf(seen[0][:, [4, 7]]).all() and seen[0][:, [0, 5, 9]].eq(0).all()
 
 
-@pytest.mark.triton
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31), (700, 200)])
-def test_stop_draw_kernel_matches_torch(seed, V, budget):
-    """The two-launch stop draw (``draw_stop_tokens_triton``) hands the draw the same rows
-    (children at -inf) and positions as the torch one, and writes the same tokens."""
+def _stop_case(seed: int, V: int, budget: int):
+    """Five requests (batch rows -> states 3, 0, 4, 1, 2; states 1 and 3 greedy) walked
+    on the torch choice rule: stops that take a draw and greedy stops that do not."""
     g = torch.Generator().manual_seed(seed)
     R, D = 5, 4
     ts = _trees(R, budget, D, torch.randn(R, D, V, generator=g) * 3)
-    states = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)  # batch rows -> states
+    states = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
     width = budget + 1
     expanded, local, positions, cu = _rows(R, width, states.long())
     logits = torch.randn(R * width, V, generator=g)
-    temperature = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])  # states 1 and 3 greedy
+    temperature = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
     choices = choose_children_torch(logits, expanded, local, temperature, ts.walk_tokens,
                                     ts.parents, torch.rand(R * width, generator=g))
     sampled, acc = ts.walk(choices, cu, states, R)
     stop_rows = cu[:-1].long() + acc.path.gather(1, (acc.num_accepted - 1)[:, None])[:, 0]
     need = choices[stop_rows] == NO_CHILD
-    assert need.any() and not need.all()  # draws, and greedy stops that keep their token
-    seen = {}
+    assert need.any() and not need.all()
+    return g, ts, states, positions, cu, logits, choices, sampled, acc, need
 
-    def draw(impl):
-        def fn(rows, row_states, pos):
-            seen[impl] = (rows.clone(), row_states.clone(), pos.clone())
-            return (rows.argmax(dim=-1) + pos) % V
-        return fn
 
+@pytest.mark.triton
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("V", "budget"), [(40, 6), (3000, 31), (9000, 200)])
+def test_stop_draw_kernel_matches_torch(seed, V, budget):
+    """Given the same noise, the two-launch stop draw (``draw_stop_tokens_triton``, with
+    chunked rows where V > 4096) writes the tokens of the torch one; the noise favours
+    the children, so an unmasked child would show."""
+    g, ts, states, positions, cu, logits, choices, sampled, acc, need = _stop_case(
+        seed, V, budget)
+    noise = _gumbel((5, V), g)
+    noise.scatter_(1, ts.walk_tokens[states.long()].clamp(min=0), 30.0)
     out = {}
     for impl, stop in (("torch", draw_stop_tokens_torch), ("triton", draw_stop_tokens_triton)):
         out[impl] = sampled.clone().to(DEV)
-        stop(*(t.to(DEV) for t in (logits, choices)), out[impl],
-             *(t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states, positions,
-                                   ts.walk_tokens, ts.parents)),
-             draw(impl))
-    for a, b in zip(seen["torch"], seen["triton"]):
-        assert torch.equal(a.contiguous(), b)
-    assert torch.isneginf(seen["triton"][0]).any()  # children masked
-    assert torch.equal(out["torch"], out["triton"])
+        common = [t.to(DEV) for t in (logits, choices)] + [out[impl]] + [
+            t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states)]
+        if impl == "torch":
+            stop(*common, ts.walk_tokens, ts.parents, noise)
+        else:
+            stop(*common, *(t.to(DEV) for t in (positions, ts.walk_tokens, ts.parents,
+                                                torch.zeros(5, dtype=torch.int64), noise)))
+    assert torch.equal(out["torch"].cpu(), out["triton"].cpu())
+    changed = (out["torch"].cpu() != sampled).any(dim=1)
+    assert torch.equal(changed, need)  # exactly the NO_CHILD stops were drawn
+
+
+@pytest.mark.triton
+def test_keyed_stop_draws_have_the_rows_distribution_without_children():
+    """Without given noise each stop draw is keyed by (seed, position): the same keys
+    give the same tokens, another seed others; 400 stops of one row (p over 8 tokens,
+    token 2 a child of the stop row) follow p without token 2, renormalized
+    (chi-square, threshold p > 1e-3), and the same counts reject p itself (the test
+    can fail).  (400 requests: a launch of this size takes seconds under the
+    interpreter.)"""
+    n, V = 400, 8
+    p = torch.tensor([0.05, 0.1, 0.3, 0.15, 0.2, 0.05, 0.1, 0.05])
+    walk_tokens = torch.tensor([[2, 5]])  # node 0 (token 2) under the root, 1 under node 0
+    parents = torch.tensor([[0, 1]])
+    logits = p.log().expand(n, V).contiguous()
+    choices = torch.full((n,), NO_CHILD)
+    cu = torch.arange(n + 1, dtype=torch.int32)  # one row per request: the root
+    path = torch.zeros((n, 2), dtype=torch.int64)
+    num_accepted = torch.ones(n, dtype=torch.int64)
+    idx = torch.zeros(n, dtype=torch.int32)
+    positions = torch.arange(n, dtype=torch.int64) * 5 + 17
+
+    def run(seed, rows=slice(None)):
+        m = len(range(n)[rows])
+        sampled = torch.full((m, 3), -1, dtype=torch.int64)
+        sampled = sampled.to(DEV)
+        draw_stop_tokens_triton(
+            logits[rows].to(DEV), choices[rows].to(DEV), sampled, path[rows].to(DEV),
+            num_accepted[rows].to(DEV), cu[: m + 1].to(DEV), idx[rows].to(DEV),
+            positions[rows].to(DEV), walk_tokens.to(DEV), parents.to(DEV),
+            torch.tensor([seed], dtype=torch.int64, device=DEV))
+        return sampled[:, 0].cpu()
+
+    a, b, c = run(7), run(7, slice(300, None)), run(8, slice(300, None))
+    assert torch.equal(a[300:], b) and not torch.equal(b, c)
+    counts = torch.bincount(a, minlength=V).double()
+    assert counts[2] == 0  # the child is never drawn
+    keep = torch.arange(V) != 2
+    q = p.double()
+    assert chisquare(counts[keep], q[keep] / q[keep].sum() * n).pvalue > P_MIN
+    assert chisquare(counts, q / q.sum() * n).pvalue < P_MIN  # p itself is rejected
 
 
 @pytest.mark.triton
 def test_warm_up_compiles_both_logits_dtypes_on_the_engines_buffers(monkeypatch):
-    """``warm_choice_rule`` launches the choice and stop-row kernels once for the logits'
-    own dtype and once for float32 (one draw each), on the engine's tree buffers, which
-    it leaves as they were; off the GPU (no kernels to compile) it does nothing."""
+    """``warm_choice_rule`` launches the choice and stop-draw kernels once for the
+    logits' own dtype and once for float32, on the engine's tree buffers, which it
+    leaves as they were; off the GPU (no kernels to compile) it does nothing."""
     import vllm_ddtree.gpu.verify_sampling as vs
 
     trees = _trees(4, 6, 4, torch.randn(4, 4, 50, generator=torch.Generator().manual_seed(0)))
     walk_tokens, parents = trees.walk_tokens.to(DEV), trees.parents.to(DEV)
     before = walk_tokens.clone(), parents.clone()
-    draws = []
+    launched = []
 
-    def draw(rows, states, positions):
-        draws.append((rows.dtype, tuple(rows.shape)))
-        return torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+    def recorded(name):
+        fn = getattr(vs, name)
+
+        def record(*args):
+            launched.append((name, args[0].dtype, tuple(args[0].shape)))
+            return fn(*args)
+        return record
+
+    for name in ("choose_children_triton", "draw_stop_tokens_triton"):
+        monkeypatch.setattr(vs, name, recorded(name))
 
     logits = torch.randn(3, 50, device=DEV).bfloat16()
     if not logits.is_cuda:
-        vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
-        assert draws == []  # the torch reference runs off the GPU: nothing to compile
+        vs.warm_choice_rule(logits, walk_tokens, parents, 4)
+        assert launched == []  # the torch reference runs off the GPU: nothing to compile
         monkeypatch.setattr(vs, "use_triton", lambda t: True)  # the interpreter runs them
-    vs.warm_choice_rule(logits[:0], walk_tokens, parents, 4, draw)
-    assert draws == []  # no row to launch on
-    vs.warm_choice_rule(logits, walk_tokens, parents, 4, draw)
-    assert draws == [(torch.float32, (1, 50))] * 2  # bf16 logits, then float32
+    vs.warm_choice_rule(logits[:0], walk_tokens, parents, 4)
+    assert launched == []  # no row to launch on
+    vs.warm_choice_rule(logits, walk_tokens, parents, 4)
+    assert launched == [(name, dtype, (1, 50)) for dtype in (torch.bfloat16, torch.float32)
+                        for name in ("choose_children_triton", "draw_stop_tokens_triton")]
     assert torch.equal(walk_tokens, before[0]) and torch.equal(parents, before[1])

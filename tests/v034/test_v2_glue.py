@@ -96,11 +96,11 @@ def _store_chains(trees, tokens: list[int], num_reqs: int) -> None:
 def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperature, seeded,
                                                          rule):
     """Sampled batches without per-request seeds: vLLM's processing of the logits, the
-    choice rule, the walk, and one stop draw per request with vLLM's Gumbel sampler;
+    choice rule, the walk, and the stop draws (noise keyed by the requests' seeds);
     otherwise vLLM's sampler at every row.  Either way the runner gets the walk's
     tokens and the speculator the accepted paths."""
     import vllm_ddtree.gpu.verifier as verifier
-    from vllm_ddtree.gpu.verify_sampling import choose_children_torch
+    from vllm_ddtree.gpu.verify_sampling import choose_children_torch, draw_stop_tokens_torch
 
     budget, V = 3, 8
     binding, accepted = _binding(budget=budget, depth=3, max_num_reqs=2)
@@ -109,13 +109,14 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
     monkeypatch.setattr(verifier, "choose_children", lambda x, s, loc, pos, t, seeds, w, p:
                         choose_children_torch(x, s, loc, t, w, p, torch.full((len(s),), 0.5)))
 
-    def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos,
-                      apply_temperature, is_drafting, use_fp64=False):
-        assert apply_temperature is False and is_drafting is False
-        draws.append(pos)
-        return logits.argmax(dim=-1)
+    def draw_stop_tokens(*args):
+        seeds = args[-1]
+        assert seeds is sampler.sampling_states.seeds.gpu  # keyed by the requests' seeds
+        draws.append(args)
+        zero_noise = torch.zeros(args[6].shape[0], args[0].shape[1])
+        draw_stop_tokens_torch(*args[:7], *args[8:10], zero_noise)
 
-    monkeypatch.setattr(verifier, "gumbel_sample", gumbel_sample)
+    monkeypatch.setattr(verifier, "draw_stop_tokens", draw_stop_tokens)
     monkeypatch.setattr(verifier, "get_num_sampled_and_rejected",
                         lambda num_sampled, *args: (num_sampled, torch.zeros_like(num_sampled)))
     sampler = _Sampler(temperature, seeded)
@@ -219,7 +220,7 @@ def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():
 
 def test_verifier_warm_up_reads_the_engines_tree_buffers(monkeypatch):
     """The warm-up compiles on the engine's own node buffers (their layout is what a
-    step's launch specializes on) with the verifier's own draw."""
+    step's launch specializes on)."""
     import vllm_ddtree.gpu.verifier as verifier
 
     binding, _ = _binding(budget=5, depth=4)
@@ -229,8 +230,8 @@ def test_verifier_warm_up_reads_the_engines_tree_buffers(monkeypatch):
     ddtree.binding = binding
     logits = torch.zeros(1, 8)
     ddtree.warm_up(logits)
-    (x, walk_tokens, parents, depth, draw), = calls
-    assert x is logits and depth == 4 and draw == ddtree._draw
+    (x, walk_tokens, parents, depth), = calls
+    assert x is logits and depth == 4
     assert walk_tokens.data_ptr() == binding.trees.walk_tokens.data_ptr()
     assert parents.data_ptr() == binding.trees.parents.data_ptr()
 

@@ -8,11 +8,13 @@
    Gumbel noise is the one non-speculative decoding uses at the same positions.
    Batches with sampled rows and no per-request seed instead take the choice rule of
    :mod:`~vllm_ddtree.gpu.verify_sampling` (the same distribution; one full-vocabulary
-   draw per request, at the row where its walk stops, instead of one per row): vLLM's
-   processing of the logits, then :func:`choose_children`;
+   draw per request, at the row where its walk stops, instead of one per row, with the
+   plugin's own noise keyed as vLLM keys its own): vLLM's processing of the logits,
+   then :func:`choose_children`;
 2. the walk (:meth:`TreeStates.walk`): follow the child equal to the target's token (or
-   chosen child), then, on the choice rule, :func:`draw_stop_tokens`; the accepted
-   paths go back to the speculator (``TargetBinding.on_accepted``);
+   chosen child), then, on the choice rule, :func:`draw_stop_tokens` (two launches, no
+   call into vLLM's sampler); the accepted paths go back to the speculator
+   (``TargetBinding.on_accepted``);
 3. vLLM's ``SamplerOutput``: accepted tokens + bonus, ``num_sampled`` and
    ``num_rejected`` through vLLM's own ``get_num_sampled_and_rejected``.  Logprobs are
    vLLM's own code run on the logits rows permuted to the accepted path.
@@ -26,7 +28,6 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
@@ -98,7 +99,8 @@ class DDTreeVerifier:
         if choice_rule:
             draw_stop_tokens(processed, targets, sampled, accepted.path, accepted.num_accepted,
                              input_batch.cu_num_logits, input_batch.idx_mapping[:num_reqs],
-                             node_positions, trees.walk_tokens, trees.parents, self._draw)
+                             node_positions, trees.walk_tokens, trees.parents,
+                             states.seeds.gpu)
         self.binding.on_accepted(accepted)
 
         # 3. vLLM's output
@@ -122,8 +124,7 @@ class DDTreeVerifier:
         (:func:`~vllm_ddtree.gpu.verify_sampling.warm_choice_rule`); called from vLLM's
         dummy sampler run at start-up."""
         trees = self.binding.trees
-        warm_choice_rule(logits, trees.walk_tokens, trees.parents, trees.max_depth,
-                         self._draw)
+        warm_choice_rule(logits, trees.walk_tokens, trees.parents, trees.max_depth)
 
     def _uses_choice_rule(self, idx_mapping_np: np.ndarray) -> bool:
         """Host-side: the batch has a sampled request and none with its own seed (a
@@ -132,17 +133,3 @@ class DDTreeVerifier:
         states = self.sampler.sampling_states
         return (bool(np.any(states.temperature.np[idx_mapping_np] > 0.0))
                 and not states.any_explicit_seed(idx_mapping_np))
-
-    def _draw(
-        self,
-        rows: torch.Tensor,  # [n, V] processed logits, some entries -inf
-        row_states: torch.Tensor,  # [n] int32 request state of each row
-        positions: torch.Tensor,  # [n] int64 each row's position
-    ) -> torch.Tensor:  # [n] int64
-        """vLLM's own draw (its Gumbel noise, keyed (seed, position)) from rows whose
-        temperature is already applied."""
-        states = self.sampler.sampling_states
-        return gumbel_sample(rows, row_states, states.temperature.gpu, states.seeds.gpu,
-                             positions, apply_temperature=False, is_drafting=False,
-                             use_fp64=self.sampler.use_fp64_gumbel)
-

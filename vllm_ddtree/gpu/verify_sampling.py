@@ -17,25 +17,21 @@ choices as on drawn tokens, and only where a walk stopped on :data:`NO_CHILD` is
 drawn from a full row, with its children masked (:func:`draw_stop_tokens`).  Greedy rows
 take the argmax (lowest id on ties) as before.
 
-Randomness: a row's ``u`` is keyed by (request seed, row position), as vLLM keys its
-Gumbel noise, and drawn apart from that noise (Philox at counter ``vocab_size``; vLLM's
-noise hashes (seed, position, token)); rows of one depth share it, and only one of them
-lies on a path.
+Randomness: a row's ``u`` and the stop draw's Gumbel noise are keyed by (request seed,
+row position), as vLLM keys its own noise: one Philox stream per key, the noise of
+token ``t`` at counter ``t`` and ``u`` at counter ``vocab_size`` (independent draws).
+Rows of one depth share a key, and only one of them lies on a path.  The stop draw is
+the Gumbel-max over the stop row's processed logits with its children at ``-inf``, in
+the plugin's own two launches (no call into vLLM's sampler between them).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 NO_CHILD = -3  # a row's choice when its uniform fell past every child's probability
-
-# (logits [n, V], rows' request states [n], rows' positions [n]) -> tokens [n] int64: a
-# draw from each row's distribution (vLLM's Gumbel sampler in the runner)
-DrawRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _CHUNK = 4096  # vocabulary entries a stage-1 program reduces
 
@@ -145,39 +141,62 @@ if HAS_TRITON:
         tl.store(OUT + row, tl.where(first < BLOCK_B, chosen, NO_CHILD_TL))
 
     @triton.jit
-    def _stop_rows_kernel(X, s_x, PATH, s_path, NACC, CU, IDX, POS, CHOICES, WTOK, PAR,
-                          ROWS, STOP_POS, NEED, s_wt, s_par, V, BUDGET: tl.constexpr,
-                          BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-        # one (request, vocabulary block): the stop row's logits, then -inf over the
-        # children that fall in the block (stored after a barrier: the copy is done by
-        # then); block 0 also writes the stop row's position and whether it takes a draw
-        r = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
+    def _stop_row(PATH, s_path, NACC, CU, CHOICES, r):
+        # the verify row a request's walk stopped at (local and in the logits), the
+        # path slot of its emitted token, and whether that token is a stop draw
         last = tl.load(NACC + r) - 1
         stop_local = tl.load(PATH + r * s_path + last)
         stop_row = tl.load(CU + r).to(tl.int64) + stop_local
-        state = tl.load(IDX + r).to(tl.int64)
-        start = c * BLOCK_V
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(X + stop_row * s_x + offs, mask=offs < V)
-        tl.store(ROWS + r * V + offs, x.to(tl.float32), mask=offs < V)
-        _, tok, child = _row_children(WTOK, PAR, state, s_wt, s_par, stop_local, BUDGET,
-                                      BLOCK_B)
-        here = child & (tok >= start) & (tok < start + BLOCK_V) & (tok < V)
-        tl.debug_barrier()
-        tl.store(ROWS + r * V + tok, tl.full((BLOCK_B,), float("-inf"), tl.float32),
-                 mask=here)
-        if c == 0:
-            tl.store(STOP_POS + r, tl.load(POS + stop_row))
-            tl.store(NEED + r, (tl.load(CHOICES + stop_row) == NO_CHILD_TL).to(tl.int8))
+        return stop_local, stop_row, last, tl.load(CHOICES + stop_row) == NO_CHILD_TL
 
     @triton.jit
-    def _emit_stop_kernel(SAMPLED, s_sampled, NACC, NEED, DRAWN):
-        # the emitted token of a walk that stopped on NO_CHILD becomes its draw
+    def _stop_noise_kernel(X, s_x, PATH, s_path, NACC, CU, IDX, POS, SEEDS, CHOICES, WTOK,
+                           PAR, G, s_g, M, A, s_wt, s_par, V, NUM_CHUNKS: tl.constexpr,
+                           CHUNK: tl.constexpr, BUDGET: tl.constexpr, HAS_G: tl.constexpr):
+        # stage 1: one (request, chunk) of a stop draw: the chunk's best logit + Gumbel
+        # noise (children at -inf) and its token (lowest id on ties)
         r = tl.program_id(0).to(tl.int64)
-        if tl.load(NEED + r) != 0:
-            last = tl.load(NACC + r) - 1
-            tl.store(SAMPLED + r * s_sampled + last, tl.load(DRAWN + r))
+        c = tl.program_id(1)
+        stop_local, stop_row, _, need = _stop_row(PATH, s_path, NACC, CU, CHOICES, r)
+        if not need:
+            return
+        state = tl.load(IDX + r).to(tl.int64)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < V
+        x = tl.load(X + stop_row * s_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        if HAS_G:
+            noise = tl.load(G + r * s_g + offs, mask=ok, other=0.0)
+        else:
+            seed = tl.load(SEEDS + state)
+            key = tl.randint(seed, tl.load(POS + stop_row))
+            u = tl.rand(key, offs)  # counters 0..V-1: apart from the choice's u
+            noise = -tl.log(-tl.log(u))
+        g = x + noise
+        # the stop row's children that fall in this chunk -> -inf
+        start = c * CHUNK
+        for j in range(BUDGET):
+            t = tl.load(WTOK + state * s_wt + j)
+            mine = tl.load(PAR + state * s_par + j) == stop_local
+            if mine & (t >= start) & (t < start + CHUNK):
+                g = tl.where(offs == t, float("-inf"), g)
+        m, a = tl.max(g, axis=0, return_indices=True)
+        tl.store(M + r * NUM_CHUNKS + c, m)
+        tl.store(A + r * NUM_CHUNKS + c, c * CHUNK + a.to(tl.int64))
+
+    @triton.jit
+    def _stop_emit_kernel(SAMPLED, s_sampled, PATH, s_path, NACC, CU, CHOICES, M, A,
+                          NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # stage 2: one request: the best chunk's token (the first on ties) becomes the
+        # emitted token of a walk that stopped on NO_CHILD
+        r = tl.program_id(0).to(tl.int64)
+        _, _, last, need = _stop_row(PATH, s_path, NACC, CU, CHOICES, r)
+        if need:
+            cs = tl.arange(0, BLOCK_C)
+            c_ok = cs < NUM_CHUNKS
+            m = tl.load(M + r * NUM_CHUNKS + cs, mask=c_ok, other=float("-inf"))
+            a = tl.load(A + r * NUM_CHUNKS + cs, mask=c_ok, other=0)
+            best = tl.min(tl.where(m == tl.max(m, axis=0), cs, BLOCK_C), axis=0)
+            tl.store(SAMPLED + r * s_sampled + last, tl.sum(tl.where(cs == best, a, 0), axis=0))
 
 
 def choose_children(
@@ -243,20 +262,26 @@ def draw_stop_tokens(
     num_accepted: torch.Tensor,  # [R] int64 (root included)
     cu_num_logits: torch.Tensor,  # [R + 1] int32
     idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
-    positions: torch.Tensor,  # [N] int64 each row's position
+    positions: torch.Tensor,  # [N] int64 each row's position (the noise key)
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
-    draw: DrawRows,
+    seeds: torch.Tensor,  # [S] int64 by request state
+    gumbel: torch.Tensor | None = None,  # [R, V] float32; None: keyed noise (module doc)
 ) -> None:
     """Where a walk stopped on :data:`NO_CHILD`, its emitted token (``sampled[r,
     num_accepted - 1]``) becomes a draw from the stop row's distribution without that
-    row's children.  One full-vocabulary draw per request, no host sync: on the GPU
-    two launches around the draw, the torch reference about twenty."""
+    row's children: the Gumbel-max over the row's logits, children at ``-inf``.  One
+    full-vocabulary draw per request, no host sync: on the GPU two launches.  Off the
+    GPU the torch reference runs, which needs ``gumbel``."""
     if idx_mapping.shape[0] == 0:
         return
-    stop = draw_stop_tokens_triton if use_triton(processed) else draw_stop_tokens_torch
-    stop(processed, choices, sampled, path, num_accepted, cu_num_logits, idx_mapping,
-         positions, walk_tokens, parents, draw)
+    args = (processed, choices, sampled, path, num_accepted, cu_num_logits, idx_mapping)
+    if use_triton(processed):
+        draw_stop_tokens_triton(*args, positions, walk_tokens, parents, seeds, gumbel)
+        return
+    if gumbel is None:
+        raise ValueError("draw_stop_tokens: the torch reference needs gumbel")
+    draw_stop_tokens_torch(*args, walk_tokens, parents, gumbel)
 
 
 def draw_stop_tokens_torch(
@@ -267,25 +292,24 @@ def draw_stop_tokens_torch(
     num_accepted: torch.Tensor,  # [R] int64 (root included)
     cu_num_logits: torch.Tensor,  # [R + 1] int32
     idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
-    positions: torch.Tensor,  # [N] int64 each row's position
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
-    draw: DrawRows,
+    gumbel: torch.Tensor,  # [R, V] float32 each stop draw's noise
 ) -> None:
-    """Reference of :func:`draw_stop_tokens`."""
+    """Reference of :func:`draw_stop_tokens` with the noise given."""
     R = idx_mapping.shape[0]
     last = (num_accepted - 1).unsqueeze(1)  # [R, 1]
     stop_local = path.gather(1, last)  # [R, 1] verify row the walk stopped at
     stop_row = cu_num_logits[:R].long() + stop_local.squeeze(1)  # [R]
     states = idx_mapping.long()
-    rows = processed.index_select(0, stop_row).float()  # [R, V]
+    rows = processed.index_select(0, stop_row).float() + gumbel  # [R, V]
     V = rows.shape[1]
     # the stop row's children -> -inf (non-children scatter into a spare column)
     children = row_children(walk_tokens[states], parents[states], stop_local.squeeze(1))
     cols = torch.where(children, walk_tokens[states], V)  # [R, B]
     masked = torch.cat([rows, rows.new_empty(R, 1)], dim=1)
     masked.scatter_(1, cols, float("-inf"))
-    drawn = draw(masked[:, :V], idx_mapping, positions.index_select(0, stop_row))
+    drawn = masked[:, :V].argmax(dim=-1)  # the first on ties
     emitted = sampled.gather(1, last).squeeze(1)
     need = choices.index_select(0, stop_row) == NO_CHILD
     sampled.scatter_(1, last, torch.where(need, drawn, emitted).unsqueeze(1))
@@ -299,27 +323,29 @@ def draw_stop_tokens_triton(
     num_accepted: torch.Tensor,  # [R] int64 (root included)
     cu_num_logits: torch.Tensor,  # [R + 1] int32
     idx_mapping: torch.Tensor,  # [R] int32 batch row -> request state
-    positions: torch.Tensor,  # [N] int64 each row's position
+    positions: torch.Tensor,  # [N] int64 each row's position (the noise key)
     walk_tokens: torch.Tensor,  # [S, B] int64
     parents: torch.Tensor,  # [S, B] int64
-    draw: DrawRows,
+    seeds: torch.Tensor,  # [S] int64 by request state
+    gumbel: torch.Tensor | None = None,  # [R, V] float32; None: keyed noise
 ) -> None:
-    """The Triton launcher of :func:`draw_stop_tokens`: two launches around the draw."""
+    """The Triton launcher of :func:`draw_stop_tokens`: two launches (each chunk's best,
+    then each request's)."""
     R, V = idx_mapping.shape[0], processed.shape[1]
     assert processed.stride(1) == 1 and sampled.stride(1) == 1 and path.stride(1) == 1
     dev = processed.device
-    rows = torch.empty((R, V), dtype=torch.float32, device=dev)
-    stop_pos = torch.empty(R, dtype=positions.dtype, device=dev)
-    need = torch.empty(R, dtype=torch.int8, device=dev)
-    budget = walk_tokens.shape[1]
-    block_v = 1024
-    _stop_rows_kernel[(R, triton.cdiv(V, block_v))](
+    chunks = triton.cdiv(V, _CHUNK)
+    m = torch.empty((R, chunks), dtype=torch.float32, device=dev)
+    a = torch.empty((R, chunks), dtype=torch.int64, device=dev)
+    g = gumbel if gumbel is not None else m  # not read without HAS_G
+    _stop_noise_kernel[(R, chunks)](
         processed, processed.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
-        idx_mapping, positions, choices, walk_tokens, parents, rows, stop_pos, need,
-        walk_tokens.stride(0), parents.stride(0), V, BUDGET=budget,
-        BLOCK_B=next_pow2(budget), BLOCK_V=block_v, num_warps=4)
-    drawn = draw(rows, idx_mapping, stop_pos)
-    _emit_stop_kernel[(R,)](sampled, sampled.stride(0), num_accepted, need, drawn)
+        idx_mapping, positions, seeds, choices, walk_tokens, parents, g, g.stride(0), m, a,
+        walk_tokens.stride(0), parents.stride(0), V, NUM_CHUNKS=chunks, CHUNK=_CHUNK,
+        BUDGET=walk_tokens.shape[1], HAS_G=gumbel is not None, num_warps=8)
+    _stop_emit_kernel[(R,)](
+        sampled, sampled.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
+        choices, m, a, NUM_CHUNKS=chunks, BLOCK_C=next_pow2(chunks), num_warps=1)
 
 
 def warm_choice_rule(
@@ -327,13 +353,12 @@ def warm_choice_rule(
     walk_tokens: torch.Tensor,  # [S, B] int64 the engine's node tokens by request state
     parents: torch.Tensor,  # [S, B] int64 the engine's node parents by request state
     max_depth: int,
-    draw: DrawRows,
 ) -> None:
     """Compile the choice rule's kernels before serving, for the dtype and layout of
     ``logits`` and for float32.  vLLM's warm-up samples with processed (float32) logits,
     but a request at temperature 1 without top-k/top-p reaches the verifier with the
     model's own (e.g. bf16) logits, and Triton compiles a kernel per pointer dtype: the
-    first such request would otherwise wait for three compilations.  One request row, on
+    first such request would otherwise wait for the compilations.  One request row, on
     the engine's own tree buffers (read only) and scratch outputs; off the GPU nothing
     is compiled."""
     if not use_triton(logits) or logits.shape[0] == 0:
@@ -351,4 +376,4 @@ def warm_choice_rule(
         draw_stop_tokens_triton(
             x, choices, sampled, path, torch.ones(1, dtype=torch.int64, device=dev),
             torch.tensor([0, 1], dtype=torch.int32, device=dev), zero32, zero64,
-            walk_tokens, parents, draw)
+            walk_tokens, parents, zero64)
