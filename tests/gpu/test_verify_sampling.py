@@ -251,7 +251,7 @@ def test_stop_draw_kernel_matches_torch(seed, V, budget):
         common = [t.to(DEV) for t in (logits, choices)] + [out[impl]] + [
             t.to(DEV) for t in (acc.path, acc.num_accepted, cu, states)]
         if impl == "torch":
-            stop(*common, ts.walk_tokens, ts.parents, noise)
+            stop(*common, *(t.to(DEV) for t in (ts.walk_tokens, ts.parents, noise)))
         else:
             stop(*common, *(t.to(DEV) for t in (positions, ts.walk_tokens, ts.parents,
                                                 torch.zeros(5, dtype=torch.int64), noise)))
