@@ -27,11 +27,19 @@
 #             as benchmarks.step_cost takes them)
 # Logs under $OUT/<stage>/, tables on stdout.  On an H100 a DDTree engine of a tiny
 # fixture pair starts in ~95 s (torch.compile ~30 s, vLLM's JIT kernel warm-up ~30 s),
-# its eager no-speculation reference in ~25 s: give each stage at most ~5 engines.
+# its eager no-speculation reference in ~25 s: give each stage at most ~5 engines.  At
+# Qwen3-8B shape (H200) an engine starts in 80-135 s (DDTree-63's graphs the longest):
+# give `stepcost` at most three methods.
 set -u
 STAGE=$1
 OUT=${OUT:-/tmp/out}; LOG=$OUT/$STAGE; mkdir -p "$LOG"
 cd "$(dirname "$0")/.."
+# the unpack scripts are git-ignored: without them this host would run whatever vLLM the
+# 0.26 bundle left on it
+for f in .gpu/unpack.sh .gpu34/unpack_034.sh .gpu34/parts; do
+  [ -f "$f" ] || { echo "$f is missing: carry .gpu/unpack.sh, .gpu34/unpack_034.sh and" \
+    ".gpu34/parts with every invocation"; exit 3; }
+done
 source .gpu/unpack.sh > "$LOG/unpack.log" 2>&1
 source .gpu34/unpack_034.sh >> "$LOG/unpack.log" 2>&1
 source benchmarks/gpu_common.sh
