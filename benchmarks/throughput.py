@@ -189,12 +189,15 @@ def graph_tokens(spec: dict | None, width: int, max_batch: int) -> int:
     if not spec or spec.get("ddtree_adaptive_budget") is not True:
         return max_batch * width
     from vllm_ddtree.adaptive.schedule import budget_schedule
+    from vllm_ddtree.drafter import load_drafter_config
 
-    depth = json.loads((Path(spec["model"]) / "config.json").read_text()).get(
-        "block_size", 16) - 1
+    # a DFlash drafter's depth (ddtree-auto runs the --drafter), as the plugin resolves it
+    cfg = load_drafter_config(spec["model"]) or {}
+    block = cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size", 16)
+    budget = spec["num_speculative_tokens"]
+    depth = min(block - 1, budget, spec.get("ddtree_max_depth") or budget)
     return max(min(hi, max_batch) * (1 + b)
-               for lo, hi, b in budget_schedule(spec["num_speculative_tokens"], depth)
-               if lo <= max_batch)
+               for lo, hi, b in budget_schedule(budget, depth) if lo <= max_batch)
 
 
 def _cell(prompts, n: int, rep: int = 0) -> list:

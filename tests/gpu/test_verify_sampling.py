@@ -214,6 +214,30 @@ def test_stop_draw_replaces_only_no_child_stops():
     assert sampled[:, 0].tolist() == [9, 7, 2]
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("V", [10, 5000])
+def test_stop_row_without_other_mass_emits_its_last_child(V):
+    """Top-k/top-p can leave only a row's children finite; their probabilities' float32
+    sum may still fall short of 1 and the uniform land in the gap (NO_CHILD): the stop
+    then emits the row's last child, never a token of probability 0.  Both sides, one
+    chunk and several."""
+    walk_tokens = torch.tensor([[3, 7, 8]])  # 3 and 7 under the root, 8 under node 0
+    parents = torch.tensor([[0, 0, 1]])
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, [3, 7]] = 0.0
+    args = [logits, torch.tensor([NO_CHILD]), torch.full((1, 3), -1),
+            torch.zeros((1, 2), dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+            torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)]
+    noise = torch.zeros(1, V)
+    draw_stop_tokens_torch(*args, walk_tokens, parents, noise)
+    assert args[2][0, 0] == 7
+    args[2] = torch.full((1, 3), -1, device=DEV)
+    draw_stop_tokens_triton(*(t.to(DEV) for t in args), torch.zeros(1, dtype=torch.int64,
+                            device=DEV), walk_tokens.to(DEV), parents.to(DEV),
+                            torch.zeros(1, dtype=torch.int64, device=DEV))
+    assert int(args[2][0, 0]) == 7
+
+
 def _stop_case(seed: int, V: int, budget: int):
     """Five requests (batch rows -> states 3, 0, 4, 1, 2; states 1 and 3 greedy) walked
     on the torch choice rule: stops that take a draw and greedy stops that do not."""
@@ -244,7 +268,9 @@ def test_stop_draw_kernel_matches_torch(seed, V, budget):
     g, ts, states, positions, cu, logits, choices, sampled, acc, need = _stop_case(
         seed, V, budget)
     noise = _gumbel((5, V), g)
-    noise.scatter_(1, ts.walk_tokens[states.long()].clamp(min=0), 30.0)
+    walk = ts.walk_tokens[states.long()]
+    noise.scatter_(1, walk.clamp(min=0), torch.where(walk >= 0, 30.0, noise.gather(
+        1, walk.clamp(min=0))))  # the children's noise is the largest
     out = {}
     for impl, stop in (("torch", draw_stop_tokens_torch), ("triton", draw_stop_tokens_triton)):
         out[impl] = sampled.clone().to(DEV)
@@ -299,6 +325,38 @@ def test_keyed_stop_draws_have_the_rows_distribution_without_children():
     q = p.double()
     assert chisquare(counts[keep], q[keep] / q[keep].sum() * n).pvalue > P_MIN
     assert chisquare(counts, q / q.sum() * n).pvalue < P_MIN  # p itself is rejected
+
+
+@pytest.mark.triton
+def test_keyed_stop_draws_over_several_chunks():
+    """A row of 9000 tokens (three chunks) whose mass sits on two tokens in different
+    chunks, one of them a child: the keyed draw never takes the child, takes both
+    others' tokens at their odds (p > 1e-3 binomial test, 60 stops; the test rejects a
+    draw confined to one chunk), and the same keys give the same tokens."""
+    from scipy.stats import binomtest
+
+    n, V = 60, 9000
+    walk_tokens = torch.tensor([[8500]])  # one node, child of the root, in chunk 2
+    parents = torch.zeros((1, 1), dtype=torch.int64)
+    logits = torch.full((n, V), float("-inf"))
+    logits[:, [100, 4200, 8500]] = torch.tensor([0.3, 0.5, 0.2]).log()
+    sampled = torch.full((n, 2), -1, dtype=torch.int64, device=DEV)
+    args = [t.to(DEV) for t in (logits, torch.full((n,), NO_CHILD))]
+    rest = [t.to(DEV) for t in (torch.zeros((n, 2), dtype=torch.int64),
+                                torch.ones(n, dtype=torch.int64),
+                                torch.arange(n + 1, dtype=torch.int32),
+                                torch.zeros(n, dtype=torch.int32),
+                                torch.arange(n, dtype=torch.int64) * 3 + 5,
+                                walk_tokens, parents, torch.tensor([11]))]
+    draw_stop_tokens_triton(*args, sampled, *rest)
+    got = sampled[:, 0].cpu()
+    again = torch.full((n, 2), -1, dtype=torch.int64, device=DEV)
+    draw_stop_tokens_triton(*args, again, *rest)
+    assert torch.equal(again[:, 0].cpu(), got)
+    assert set(got.tolist()) <= {100, 4200}
+    k = int((got == 100).sum())
+    assert binomtest(k, n, 0.3 / 0.8).pvalue > P_MIN, k
+    assert binomtest(k, n, 1.0).pvalue < P_MIN  # one chunk only would be rejected
 
 
 @pytest.mark.triton

@@ -110,8 +110,11 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
                         choose_children_torch(x, s, loc, t, w, p, torch.full((len(s),), 0.5)))
 
     def draw_stop_tokens(*args):
-        seeds = args[-1]
+        positions, walk_tokens, parents, seeds = args[7:]
         assert seeds is sampler.sampling_states.seeds.gpu  # keyed by the requests' seeds
+        # the nodes' positions (root + depth) and the committed trees
+        assert torch.equal(positions, binding.rows.positions[batch.logits_indices])
+        assert walk_tokens is binding.trees.walk_tokens and parents is binding.trees.parents
         draws.append(args)
         zero_noise = torch.zeros(args[6].shape[0], args[0].shape[1])
         draw_stop_tokens_torch(*args[:7], *args[8:10], zero_noise)
@@ -169,35 +172,66 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
     assert len(done) == commits
 
 
-@pytest.mark.parametrize(("schedule", "online", "mode", "want"), [
-    # the adaptive schedule: batch 3 replays the 4-request graph, batches past the
-    # largest graph (8) run eagerly
-    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], False, "FULL_AND_PIECEWISE",
-     [0, 63, 31, 31, 31, 15, 15, 15, 15, 15, 15]),
-    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], False, "NONE",  # no drafter graphs
-     [0, 63, 31, 31, 15, 15, 15, 15, 15, 15, 15]),
-    ([(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)], True, "FULL_AND_PIECEWISE", None),
-    (None, False, "FULL_AND_PIECEWISE", None),  # a fixed budget
+ADAPTIVE = [(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)]
+
+
+@pytest.mark.parametrize(("schedule", "online", "mode", "max_tokens", "want"), [
+    # graphs of 1, 2, 4, 8 requests (16 query rows each): batch 3 replays the 4-request
+    # graph; batches 9-10 run eagerly
+    (ADAPTIVE, False, "FULL_DECODE_ONLY", 512, [0, 63, 31, 31, 31, 15, 15, 15, 15, 15, 15]),
+    # 32 tokens hold 2 requests: graphs of 1 and 2; eager passes build the 2-request
+    # graph's width (compiled at capture) rather than a new one
+    (ADAPTIVE, False, "FULL_DECODE_ONLY", 32, [0, 63, 31] + [31] * 8),
+    (ADAPTIVE, False, "NONE", 512, None),  # no drafter graphs: one width, the budget
+    (ADAPTIVE, True, "FULL_DECODE_ONLY", 512, None),  # online: any budget at any batch
+    (None, False, "FULL_DECODE_ONLY", 512, None),  # a fixed budget
 ])
-def test_drafter_pass_builds_the_budget_its_graph_serves(schedule, online, mode, want):
-    """The tree each drafter pass builds, from vLLM's own schedule lookup and the
-    drafter's graph sizes; the online policy (any budget at any batch size) and fixed
-    budgets build the full budget."""
+def test_drafter_pass_builds_the_budget_its_graph_serves(schedule, online, mode, max_tokens,
+                                                         want):
+    """The tree each drafter pass builds, from vLLM's own schedule lookup and its own
+    rule for the drafter's graph sizes; the online policy, fixed budgets and drafters
+    without graphs build the full budget."""
     from vllm.config.compilation import CUDAGraphMode
 
     from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    spec.budget, spec.max_num_reqs = 63, 10
+    spec.budget, spec.max_num_reqs, spec.num_query_per_req = 63, 10, 16
     spec.online = object() if online else None
     spec.speculative_config = SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
-    config = SimpleNamespace(compilation_config=SimpleNamespace(
-        cudagraph_mode=CUDAGraphMode[mode],
-        decode_cudagraph_capture_request_sizes=[1, 2, 4, 8]))
-    spec._tree_budgets = spec._drafter_budgets(config)
+    spec.query_cudagraph_manager = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])
+    spec.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
+        decode_cudagraph_capture_request_sizes=[1, 2, 4, 8],
+        max_cudagraph_capture_size=max_tokens, max_decode_cudagraph_capture_tokens=None))
+    spec._tree_budgets = spec._drafter_budgets()
     assert spec._tree_budgets == want
     got = [spec._pass_budget(n) for n in range(1, 11)]
     assert got == (want[1:] if want else [63] * 10)
+
+
+def test_draft_tree_builds_the_pass_budget():
+    """Both speculators build the tree of ``_pass_budget(num_reqs)`` (the DFlash one
+    from its logits, the DSpark one with its Markov head)."""
+    from vllm_ddtree.gpu.dspark_speculator import DDTreeDSparkSpeculator
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    R, D, V = 3, 4, 40
+    logits = torch.randn(R * D, V, generator=torch.Generator().manual_seed(0))
+    for cls in (DDTreeSpeculator, DDTreeDSparkSpeculator):
+        spec = cls.__new__(cls)
+        spec.budget, spec.max_depth = 15, D
+        spec._tree_budgets = [0, 9, 9, 6, 6]
+        spec.sample_indices = torch.arange(R * 15)
+        spec._sample_rows = lambda n: torch.arange(n * D)
+        spec.model = SimpleNamespace(compute_logits=lambda h: h,
+                                     compute_draft_logits=lambda h: h)
+        spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(R * D, dtype=torch.int32))
+        spec._anchor_idx = torch.arange(R) * D
+        spec._markov_bias = lambda prev: torch.zeros(prev.shape[0], V)
+        spec._draft_to_target = None
+        tree, _ = spec._draft_tree(logits, R)
+        assert tree.token_ids.shape == (R, 6), cls.__name__
+        assert (tree.token_ids >= 0).all()
 
 
 def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():

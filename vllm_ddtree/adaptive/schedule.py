@@ -178,11 +178,15 @@ def drafter_budgets(step_budget: Sequence[int], graph_sizes: Iterable[int]) -> l
     batch sizes it serves (``N' < m <= N``, ``N'`` the next smaller size): no step
     verifies more rows than its tree has nodes, and no pass builds a wider tree than a
     step it serves verifies.  A pass of more requests than the largest graph runs
-    eagerly and builds its own step's budget."""
+    eagerly: it builds its step's budget, or the largest graph's where that is more
+    (a width compiled at capture, not at first use while serving)."""
     sizes = sorted({s for s in graph_sizes if s > 0})
     out = list(step_budget)
     for n in range(1, min(len(step_budget), sizes[-1] + 1) if sizes else 1):
         i = bisect.bisect_left(sizes, n)
         lo = sizes[i - 1] + 1 if i > 0 else 1
         out[n] = max(step_budget[lo:sizes[i] + 1])
+    if sizes and sizes[-1] < len(step_budget):
+        widest = out[sizes[-1]]
+        out[sizes[-1] + 1:] = [max(b, widest) for b in step_budget[sizes[-1] + 1:]]
     return out

@@ -87,29 +87,44 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._nonfinite_log = NonfiniteDraftLog()
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
-        # [max_num_reqs + 1]: the tree a drafter pass of n requests builds (None: budget)
-        self._tree_budgets = self._drafter_budgets(vllm_config)
+        # [max_num_reqs + 1]: the tree a drafter pass of n requests builds (None: the
+        # budget), known once the drafter's CUDA graphs are (init_cudagraph_manager)
+        self._tree_budgets: list[int] | None = None
 
-    def _drafter_budgets(self, vllm_config: VllmConfig) -> list[int] | None:
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        super().init_cudagraph_manager(cudagraph_mode)
+        self._tree_budgets = self._drafter_budgets()
+
+    def _drafter_budgets(self) -> list[int] | None:
         """With a per-batch-size schedule (``num_speculative_tokens_per_batch_size``,
         e.g. ``ddtree_adaptive_budget``), vLLM's scheduler gives each step the budget of
         its batch size and the verify cuts the tree to it (its first ``n`` nodes are the
         best ``n``-node tree): a drafter pass builds only the largest budget its CUDA
-        graph serves (:func:`~vllm_ddtree.adaptive.schedule.drafter_budgets`).  The
-        online policy may give any candidate budget at any batch size: every pass
-        builds the full budget there (None)."""
+        graph serves (:func:`~vllm_ddtree.adaptive.schedule.drafter_budgets`), so the
+        tree builds compile at capture.  None (every pass builds the full budget): the
+        online policy, which may give any candidate budget at any batch size, and a
+        drafter without FULL graphs (one compiled build, at vLLM's profile run)."""
         spec = self.speculative_config
-        if self.online is not None or not spec.num_speculative_tokens_per_batch_size:
+        graphs = self.query_cudagraph_manager
+        if (self.online is not None or not spec.num_speculative_tokens_per_batch_size
+                or graphs is None or graphs.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL):
             return None
+        from vllm.config.compilation import (
+            decode_cudagraph_capture_max_tokens,
+            decode_cudagraph_capture_shapes,
+        )
         from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
         # the scheduler's own lookup: batch size -> draft tokens of its step
         step_budget = build_dynamic_sd_schedule_lookup(
             spec.num_speculative_tokens_per_batch_size, self.max_num_reqs, self.budget)
-        compilation = vllm_config.compilation_config
-        graphs = (compilation.decode_cudagraph_capture_request_sizes or ()
-                  if compilation.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL else ())
-        return drafter_budgets(step_budget, graphs)
+        # the request counts vLLM captures for the drafter's uniform decode graphs
+        compilation = self.vllm_config.compilation_config
+        shapes = decode_cudagraph_capture_shapes(
+            compilation.decode_cudagraph_capture_request_sizes or (),
+            {self.num_query_per_req: self.max_num_reqs},
+            decode_cudagraph_capture_max_tokens(compilation))
+        return drafter_budgets(step_budget, [n for n, _ in shapes])
 
     def accept(self, accepted: Accepted) -> None:
         """The verifier's walk of this step (see the module docstring)."""

@@ -18,8 +18,9 @@ drawn from a full row, with its children masked (:func:`draw_stop_tokens`).  Gre
 take the argmax (lowest id on ties) as before.
 
 Randomness: a row's ``u`` and the stop draw's Gumbel noise are keyed by (request seed,
-row position), as vLLM keys its own noise: one Philox stream per key, the noise of
-token ``t`` at counter ``t`` and ``u`` at counter ``vocab_size`` (independent draws).
+row position), the key vLLM gives its own noise (which is vLLM's own hash, not these
+draws): one Philox stream per key, the noise of token ``t`` at counter ``t`` and ``u``
+at counter ``vocab_size`` (independent draws).
 Rows of one depth share a key, and only one of them lies on a path.  The stop draw is
 the Gumbel-max over the stop row's processed logits with its children at ``-inf``, in
 the plugin's own two launches (no call into vLLM's sampler between them).
@@ -184,19 +185,31 @@ if HAS_TRITON:
         tl.store(A + r * NUM_CHUNKS + c, c * CHUNK + a.to(tl.int64))
 
     @triton.jit
-    def _stop_emit_kernel(SAMPLED, s_sampled, PATH, s_path, NACC, CU, CHOICES, M, A,
-                          NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _stop_emit_kernel(SAMPLED, s_sampled, PATH, s_path, NACC, CU, IDX, CHOICES, WTOK,
+                          PAR, M, A, s_wt, s_par, NUM_CHUNKS: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BUDGET: tl.constexpr,
+                          BLOCK_B: tl.constexpr):
         # stage 2: one request: the best chunk's token (the first on ties) becomes the
-        # emitted token of a walk that stopped on NO_CHILD
+        # emitted token of a walk that stopped on NO_CHILD; where every other token is
+        # -inf (the children hold all the mass, the uniform fell in their sum's rounding
+        # gap) the last child is
         r = tl.program_id(0).to(tl.int64)
-        _, _, last, need = _stop_row(PATH, s_path, NACC, CU, CHOICES, r)
+        stop_local, _, last, need = _stop_row(PATH, s_path, NACC, CU, CHOICES, r)
         if need:
             cs = tl.arange(0, BLOCK_C)
             c_ok = cs < NUM_CHUNKS
             m = tl.load(M + r * NUM_CHUNKS + cs, mask=c_ok, other=float("-inf"))
             a = tl.load(A + r * NUM_CHUNKS + cs, mask=c_ok, other=0)
-            best = tl.min(tl.where(m == tl.max(m, axis=0), cs, BLOCK_C), axis=0)
-            tl.store(SAMPLED + r * s_sampled + last, tl.sum(tl.where(cs == best, a, 0), axis=0))
+            m_max = tl.max(m, axis=0)
+            best = tl.min(tl.where(m == m_max, cs, BLOCK_C), axis=0)
+            drawn = tl.sum(tl.where(cs == best, a, 0), axis=0)
+            state = tl.load(IDX + r).to(tl.int64)
+            j, tok, child = _row_children(WTOK, PAR, state, s_wt, s_par, stop_local, BUDGET,
+                                          BLOCK_B)
+            last_child = tl.max(tl.where(child, j, -1), axis=0)
+            fallback = tl.sum(tl.where(j == last_child, tok, 0), axis=0)
+            tl.store(SAMPLED + r * s_sampled + last,
+                     tl.where(m_max == float("-inf"), fallback, drawn))
 
 
 def choose_children(
@@ -310,6 +323,12 @@ def draw_stop_tokens_torch(
     masked = torch.cat([rows, rows.new_empty(R, 1)], dim=1)
     masked.scatter_(1, cols, float("-inf"))
     drawn = masked[:, :V].argmax(dim=-1)  # the first on ties
+    # every other token -inf: the last child (the kernel's rule)
+    node = torch.arange(children.shape[1], device=rows.device)
+    last_child = torch.where(children, node, -1).max(dim=1).values.clamp(min=0)
+    fallback = walk_tokens[states].gather(1, last_child.unsqueeze(1)).squeeze(1)
+    fallback = torch.where(children.any(dim=1), fallback, 0)
+    drawn = torch.where(torch.isneginf(masked[:, :V]).all(dim=1), fallback, drawn)
     emitted = sampled.gather(1, last).squeeze(1)
     need = choices.index_select(0, stop_row) == NO_CHILD
     sampled.scatter_(1, last, torch.where(need, drawn, emitted).unsqueeze(1))
@@ -345,7 +364,9 @@ def draw_stop_tokens_triton(
         BUDGET=walk_tokens.shape[1], HAS_G=gumbel is not None, num_warps=8)
     _stop_emit_kernel[(R,)](
         sampled, sampled.stride(0), path, path.stride(0), num_accepted, cu_num_logits,
-        choices, m, a, NUM_CHUNKS=chunks, BLOCK_C=next_pow2(chunks), num_warps=1)
+        idx_mapping, choices, walk_tokens, parents, m, a, walk_tokens.stride(0),
+        parents.stride(0), NUM_CHUNKS=chunks, BLOCK_C=next_pow2(chunks),
+        BUDGET=walk_tokens.shape[1], BLOCK_B=next_pow2(walk_tokens.shape[1]), num_warps=1)
 
 
 def warm_choice_rule(
