@@ -105,7 +105,16 @@ stepcost)
     --models /tmp/shaped --methods "${METHODS:-dflash,ddtree-15,ddtree-63}" \
     --batches "${BATCHES:-1,8,32,64}" --temps "${TEMPS:-0,1}" --repeats "${REPEATS:-1}" \
     ${STEP_ARGS:-}
-  echo "exit $?"; tail -n 30 "$LOG/step.log"; cleanup
+  rc=$?; echo "exit $rc"
+  if [ -f "$LOG/step/step_cost.json" ]; then tail -n 30 "$LOG/step.log"
+  else  # stopped early: the cells measured so far (one JSON row each in the log)
+    echo "engines started: $(grep -c 'init engine' "$LOG/step.log")"
+    grep '^{"method"' "$LOG/step.log" | python3 -c 'import json, sys
+for r in map(json.loads, sys.stdin):
+    print(r["method"], r["temperature"], r["batch"], round(r["tau"], 2), r["median_gap_ms"])'
+    grep -m3 -E "Error|error:|Traceback" "$LOG/step.log"
+  fi
+  cleanup
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
