@@ -20,10 +20,10 @@ take the argmax (lowest id on ties) as before.
 Randomness: a row's ``u`` and the stop draw's Gumbel noise are keyed by (request seed,
 row position), the key vLLM gives its own noise (which is vLLM's own hash, not these
 draws): one Philox stream per key, the noise of token ``t`` at counter ``t`` and ``u``
-at counter ``vocab_size`` (independent draws).
-Rows of one depth share a key, and only one of them lies on a path.  The stop draw is
-the Gumbel-max over the stop row's processed logits with its children at ``-inf``, in
-the plugin's own two launches (no call into vLLM's sampler between them).
+at counter ``vocab_size`` (independent draws).  Rows of one depth share a key, and only
+one of them lies on a path.  The stop draw is the Gumbel-max over the stop row's
+processed logits with its children at ``-inf``, in the plugin's own two launches (no
+call into vLLM's sampler between them).
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ if HAS_TRITON:
         if not need:
             return
         state = tl.load(IDX + r).to(tl.int64)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
+        start = c * CHUNK
+        offs = start + tl.arange(0, CHUNK)
         ok = offs < V
         x = tl.load(X + stop_row * s_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
         if HAS_G:
@@ -173,8 +174,8 @@ if HAS_TRITON:
             u = tl.rand(key, offs)  # counters 0..V-1: apart from the choice's u
             noise = -tl.log(-tl.log(u))
         g = x + noise
-        # the stop row's children that fall in this chunk -> -inf
-        start = c * CHUNK
+        # the stop row's children that fall in this chunk -> -inf (a scalar loop over the
+        # nodes: a [CHUNK, nodes] compare would not fit in registers)
         for j in range(BUDGET):
             t = tl.load(WTOK + state * s_wt + j)
             mine = tl.load(PAR + state * s_par + j) == stop_local
