@@ -362,34 +362,51 @@ def test_keyed_stop_draws_over_several_chunks():
 @pytest.mark.triton
 def test_warm_up_compiles_both_logits_dtypes_on_the_engines_buffers(monkeypatch):
     """``warm_choice_rule`` launches the choice and stop-draw kernels once for the
-    logits' own dtype and once for float32, on the engine's tree buffers, which it
-    leaves as they were; off the GPU (no kernels to compile) it does nothing."""
+    logits' own dtype and once for float32, on the index tensors and engine buffers it
+    is given (their dtypes are what a launch specializes on), which it leaves as they
+    were; off the GPU (no kernels to compile) it does nothing."""
     import vllm_ddtree.gpu.verify_sampling as vs
 
     trees = _trees(4, 6, 4, torch.randn(4, 4, 50, generator=torch.Generator().manual_seed(0)))
     walk_tokens, parents = trees.walk_tokens.to(DEV), trees.parents.to(DEV)
-    before = walk_tokens.clone(), parents.clone()
+    states = torch.zeros(1, dtype=torch.int64, device=DEV)  # vLLM 0.34's index dtype
+    local = torch.zeros(1, dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    positions = torch.zeros(1, dtype=torch.int64, device=DEV)
+    temperature = torch.ones(4, device=DEV)
+    seeds = torch.zeros(4, dtype=torch.int64, device=DEV)
+    engine = (walk_tokens, parents, temperature, seeds)
+    before = [t.clone() for t in engine]
     launched = []
 
-    def recorded(name):
+    def recorded(name, index_args):
         fn = getattr(vs, name)
 
         def record(*args):
-            launched.append((name, args[0].dtype, tuple(args[0].shape)))
+            launched.append((name, args[0].dtype, tuple(args[0].shape),
+                             all(args[i] is t for i, t in index_args)))
             return fn(*args)
         return record
 
-    for name in ("choose_children_triton", "draw_stop_tokens_triton"):
-        monkeypatch.setattr(vs, name, recorded(name))
+    monkeypatch.setattr(vs, "choose_children_triton", recorded(
+        "choose_children_triton", [(1, states), (2, local), (3, positions),
+                                   (4, temperature), (5, seeds)]))
+    monkeypatch.setattr(vs, "draw_stop_tokens_triton", recorded(
+        "draw_stop_tokens_triton", [(5, cu), (6, states), (7, positions), (10, seeds)]))
+
+    def warm(x):
+        vs.warm_choice_rule(x, states, local, states, cu, positions, temperature, seeds,
+                            walk_tokens, parents, 4)
 
     logits = torch.randn(3, 50, device=DEV).bfloat16()
     if not logits.is_cuda:
-        vs.warm_choice_rule(logits, walk_tokens, parents, 4)
+        warm(logits)
         assert launched == []  # the torch reference runs off the GPU: nothing to compile
         monkeypatch.setattr(vs, "use_triton", lambda t: True)  # the interpreter runs them
-    vs.warm_choice_rule(logits[:0], walk_tokens, parents, 4)
+    warm(logits[:0])
     assert launched == []  # no row to launch on
-    vs.warm_choice_rule(logits, walk_tokens, parents, 4)
-    assert launched == [(name, dtype, (1, 50)) for dtype in (torch.bfloat16, torch.float32)
+    warm(logits)
+    assert launched == [(name, dtype, (1, 50), True)
+                        for dtype in (torch.bfloat16, torch.float32)
                         for name in ("choose_children_triton", "draw_stop_tokens_triton")]
-    assert torch.equal(walk_tokens, before[0]) and torch.equal(parents, before[1])
+    assert all(torch.equal(t, b) for t, b in zip(engine, before))

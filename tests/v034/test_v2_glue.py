@@ -252,9 +252,13 @@ def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():
     assert warmed[0].dtype == torch.bfloat16
 
 
-def test_verifier_warm_up_reads_the_engines_tree_buffers(monkeypatch):
-    """The warm-up compiles on the engine's own node buffers (their layout is what a
-    step's launch specializes on)."""
+def test_verifier_warm_up_launches_on_vllms_index_dtypes_and_the_engines_buffers(
+        monkeypatch):
+    """The warm-up compiles on the engine's own node and sampling-state buffers and on
+    index tensors of vLLM's own dummy batch: a launch specializes on pointer dtypes, and
+    vLLM 0.34's steps map rows to request states with int64 (the model runner's
+    ``idx_mapping``; ``expanded_local_pos`` and ``cu_num_logits`` int32).  Int32 state
+    indices compiled kernels no step used: the first sampled request compiled them."""
     import vllm_ddtree.gpu.verifier as verifier
 
     binding, _ = _binding(budget=5, depth=4)
@@ -262,10 +266,21 @@ def test_verifier_warm_up_reads_the_engines_tree_buffers(monkeypatch):
     monkeypatch.setattr(verifier, "warm_choice_rule", lambda *a: calls.append(a))
     ddtree = object.__new__(verifier.DDTreeVerifier)
     ddtree.binding = binding
+    states = SimpleNamespace(temperature=SimpleNamespace(gpu=torch.ones(4)),
+                             seeds=SimpleNamespace(gpu=torch.zeros(4, dtype=torch.int64)))
+    ddtree.sampler = SimpleNamespace(sampling_states=states)
     logits = torch.zeros(1, 8)
     ddtree.warm_up(logits)
-    (x, walk_tokens, parents, depth), = calls
+    (x, rows_states, local, idx_mapping, cu_num_logits, positions, temperature, seeds,
+     walk_tokens, parents, depth), = calls
     assert x is logits and depth == 4
+    assert [t.dtype for t in (rows_states, local, idx_mapping, cu_num_logits)] == [
+        torch.int64, torch.int32, torch.int64, torch.int32]
+    assert rows_states.tolist() == [0] and idx_mapping.tolist() == [0]
+    assert local.tolist() == [0] and cu_num_logits.tolist() == [0, 1]
+    assert positions.dtype == torch.int64 and positions.shape == (1,)
+    assert positions.data_ptr() == binding.rows.positions.data_ptr()
+    assert temperature is states.temperature.gpu and seeds is states.seeds.gpu
     assert walk_tokens.data_ptr() == binding.trees.walk_tokens.data_ptr()
     assert parents.data_ptr() == binding.trees.parents.data_ptr()
 

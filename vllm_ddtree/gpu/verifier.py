@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.input_batch import (
+    InputBatch,
+    InputBuffers,
+    get_num_sampled_and_rejected,
+)
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
@@ -39,7 +43,6 @@ from vllm_ddtree.gpu.verify_sampling import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
 
@@ -122,9 +125,14 @@ class DDTreeVerifier:
     def warm_up(self, logits: torch.Tensor) -> None:  # [n >= 1, vocab] the model's logits
         """Compile the choice rule's kernels for the model's own logits
         (:func:`~vllm_ddtree.gpu.verify_sampling.warm_choice_rule`); called from vLLM's
-        dummy sampler run at start-up."""
-        trees = self.binding.trees
-        warm_choice_rule(logits, trees.walk_tokens, trees.parents, trees.max_depth)
+        dummy sampler run at start-up.  The index tensors come from vLLM's own dummy
+        batch, so the launches take the dtypes a step's input batch has."""
+        batch = InputBatch.make_dummy(1, 1, InputBuffers(1, 1, logits.device))
+        trees, states = self.binding.trees, self.sampler.sampling_states
+        warm_choice_rule(logits, batch.expanded_idx_mapping, batch.expanded_local_pos,
+                         batch.idx_mapping, batch.cu_num_logits, self.binding.rows.positions[:1],
+                         states.temperature.gpu, states.seeds.gpu, trees.walk_tokens,
+                         trees.parents, trees.max_depth)
 
     def _uses_choice_rule(self, idx_mapping_np: np.ndarray) -> bool:
         """Host-side: the batch has a sampled request and none with its own seed (a

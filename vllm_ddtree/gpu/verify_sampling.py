@@ -372,6 +372,13 @@ def draw_stop_tokens_triton(
 
 def warm_choice_rule(
     logits: torch.Tensor,  # [n >= 1, V] logits as the verifier receives them
+    states: torch.Tensor,  # [1] request state of a row, vLLM's dtype (expanded_idx_mapping)
+    local: torch.Tensor,  # [1] row index within its request, vLLM's dtype
+    idx_mapping: torch.Tensor,  # [1] batch row -> request state, vLLM's dtype
+    cu_num_logits: torch.Tensor,  # [2] vLLM's dtype
+    positions: torch.Tensor,  # [1] int64 a row's position
+    temperature: torch.Tensor,  # [S] float32 the engine's temperatures by request state
+    seeds: torch.Tensor,  # [S] int64 the engine's seeds by request state
     walk_tokens: torch.Tensor,  # [S, B] int64 the engine's node tokens by request state
     parents: torch.Tensor,  # [S, B] int64 the engine's node parents by request state
     max_depth: int,
@@ -380,22 +387,19 @@ def warm_choice_rule(
     ``logits`` and for float32.  vLLM's warm-up samples with processed (float32) logits,
     but a request at temperature 1 without top-k/top-p reaches the verifier with the
     model's own (e.g. bf16) logits, and Triton compiles a kernel per pointer dtype: the
-    first such request would otherwise wait for the compilations.  One request row, on
-    the engine's own tree buffers (read only) and scratch outputs; off the GPU nothing
-    is compiled."""
+    first such request would otherwise wait for the compilations.  The index tensors
+    are vLLM's own (their dtypes are part of what a launch specializes on), the state
+    tensors the engine's (read only), the outputs scratch; one request row.  Off the GPU
+    nothing is compiled."""
     if not use_triton(logits) or logits.shape[0] == 0:
         return
     dev, budget = logits.device, walk_tokens.shape[1]
-    zero32 = torch.zeros(1, dtype=torch.int32, device=dev)
-    zero64 = torch.zeros(1, dtype=torch.int64, device=dev)
     rows = logits[:1]
     for x in {rows.dtype: rows, torch.float32: rows.float()}.values():
-        choices = choose_children_triton(
-            x, zero32, zero32, zero64, torch.ones(1, device=dev), zero64, walk_tokens,
-            parents)
+        choices = choose_children_triton(x, states, local, positions, temperature, seeds,
+                                         walk_tokens, parents)
         sampled = torch.full((1, 1 + budget), -1, dtype=torch.int64, device=dev)
         path = torch.zeros((1, max_depth + 1), dtype=torch.int64, device=dev)
         draw_stop_tokens_triton(
             x, choices, sampled, path, torch.ones(1, dtype=torch.int64, device=dev),
-            torch.tensor([0, 1], dtype=torch.int32, device=dev), zero32, zero64,
-            walk_tokens, parents, zero64)
+            cu_num_logits, idx_mapping, positions, walk_tokens, parents, seeds)
