@@ -163,16 +163,19 @@ def test_nonfinite_draft_logits_give_bonus_only_steps():
 
 
 def test_kernel_rows_follow_the_step_width():
-    """Tree attention covers the step's own width, rounded up to one the engine captures:
-    an adaptive engine (budgets 63 / 31 / 15) verifying 16 rows a request launches over
-    16, not 64; a fixed engine always over 1 + budget."""
+    """Tree attention in a uniform (decode) batch covers the step's own width, rounded up
+    to one the engine captures: an adaptive engine (budgets 63 / 31 / 15) verifying 16
+    rows a request launches over 16, not 64; a mixed batch (never captured) over the
+    widest, whose tilings start-up compiles; a fixed engine always over 1 + budget."""
     adaptive = StepRows(max_num_reqs=2, max_num_tokens=8, budget=63, device="cpu",
                         step_budgets=[63, 31, 15, 31])
     assert adaptive.verify_widths == [16, 32, 64]
-    assert [adaptive.kernel_rows(n) for n in (1, 9, 16, 17, 32, 33, 64)] == \
+    assert [adaptive.kernel_rows(n, True) for n in (1, 9, 16, 17, 32, 33, 64)] == \
         [16, 16, 16, 32, 32, 64, 64]
+    assert [adaptive.kernel_rows(n, False) for n in (1, 16, 17, 32, 64)] == [64] * 5
     fixed = StepRows(max_num_reqs=2, max_num_tokens=8, budget=B, device="cpu")
     assert fixed.verify_widths == [B + 1]
-    assert [fixed.kernel_rows(n) for n in (1, B, B + 1)] == [B + 1] * 3
+    assert [fixed.kernel_rows(n, u) for n in (1, B, B + 1) for u in (True, False)] == \
+        [B + 1] * 6
     assert (fixed.max_rows, fixed.num_words, adaptive.num_words) == (B + 1, 1, 2)
     assert fixed.bits.shape == (8, 1) and fixed.prefix_lens.shape == (2,)

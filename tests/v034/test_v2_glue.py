@@ -209,6 +209,28 @@ def test_drafter_pass_builds_the_budget_its_graph_serves(schedule, online, mode,
     assert got == (want[1:] if want else [63] * 10)
 
 
+def test_drafter_graph_context_covers_the_verify_rows_of_its_steps():
+    """A captured drafter pass stores as context one verify per request at the widest
+    tree its graph's steps verify (vLLM's rule at the pass budget): every decode step the
+    graph serves fits (more rows, e.g. a prefill, vLLM stores before the replay), and an
+    adaptive engine's graphs of 4 requests and up compute 16 rows a request, not 64.
+    Without a schedule (or before the graphs are known): vLLM's own rule."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.num_speculative_steps, spec.max_num_tokens = 63, 512
+    assert [spec._num_graph_context_tokens(n) for n in (1, 4, 8, 10)] == [64, 256, 512, 512]
+    spec.budget, spec._tree_budgets = 63, [0, 63, 31, 31, 31, 15, 15, 15, 15, 15, 15]
+    got = [spec._num_graph_context_tokens(n) for n in (1, 2, 4, 8)]
+    assert got == [64, 64, 128, 128]
+    step_budget = build_dynamic_sd_schedule_lookup(ADAPTIVE, 10, 63)
+    for k in range(1, 9):  # batch k replays the graph of the next captured size
+        graph = next(n for n in (1, 2, 4, 8) if n >= k)
+        assert k * (1 + step_budget[k]) <= spec._num_graph_context_tokens(graph), k
+
+
 def test_draft_tree_builds_the_pass_budget():
     """Both speculators build the tree of ``_pass_budget(num_reqs)`` (the DFlash one
     from its logits, the DSpark one with its Markov head)."""
@@ -427,6 +449,7 @@ def _common(query_start: list[int], seq_lens: list[int], max_query_len: int):
     """vLLM's CommonAttentionMetadata, the fields the tree builder reads (and its
     ``replace``)."""
     fields = dict(num_reqs=len(seq_lens), max_query_len=max_query_len, causal=True,
+                  num_actual_tokens=query_start[-1],
                   query_start_loc=torch.tensor(query_start, dtype=torch.int32),
                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
     common = SimpleNamespace(**fields)
@@ -503,9 +526,12 @@ def test_fused_tree_step_builds_fa3_schedule_for_the_prefix_call(v2_stubs):
     assert given.causal is False and given.seq_lens.tolist() == [13, 27]
     assert given.seq_lens.data_ptr() == meta.ddtree.prefix_lens.data_ptr()
     assert meta.ddtree.max_rows == 7  # 1 + budget
-    # an engine that also verifies 4-row trees: a 3-row step launches over 4 rows
+    # an engine that also verifies 4-row trees: a uniform 3-row step launches over 4
+    # rows; a mixed one (3 and 2 rows: a short prefill beside a tree, never captured)
+    # over 1 + budget, a width whose tilings start-up compiles
     engine.rows.verify_widths = [4, 7]
     assert engine.builder.build(5, _common([0, 3, 6], [20, 30], 3)).ddtree.max_rows == 4
+    assert engine.builder.build(5, _common([0, 3, 5], [20, 30], 3)).ddtree.max_rows == 7
     assert engine.builder.build(5, _common([0, 5, 6], [20, 30], 5)).ddtree.max_rows == 7
     # a step with a prefill chunk (8 rows > 1 + budget): vLLM's causal metadata
     common = _common([0, 8, 9], [20, 30], max_query_len=8)

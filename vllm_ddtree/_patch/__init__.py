@@ -77,7 +77,7 @@ _V2_READS = (
             "num_speculative_steps use_draft_logits max_num_reqs max_num_tokens "
             "speculative_config model vllm_config sample_indices draft_tokens "
             "num_query_per_req draft_attn_layer_names device _run_model _generate_draft "
-            "propose load_model"),
+            "_num_graph_context_tokens propose load_model"),
     *_attrs("vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator",
             "sample_from_anchor load_draft_model input_buffers"),
     *_attrs("vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM",
@@ -108,7 +108,7 @@ _V2_READS = (
     "vllm.v1.attention.backends.flash_attn:get_flash_attn_version",
     "vllm.utils.torch_utils:canonicalize_singleton_dim_strides",
     *_attrs("vllm.v1.attention.backend:CommonAttentionMetadata",
-            "num_reqs seq_lens max_query_len causal replace"),
+            "num_reqs num_actual_tokens seq_lens max_query_len causal replace"),
     "vllm.v1.attention.backend:AttentionMetadataBuilder._cudagraph_support",
     "vllm.v1.attention.backend:AttentionCGSupport.UNIFORM_BATCH",
     *_attrs("vllm.config.compilation:CompilationConfig",

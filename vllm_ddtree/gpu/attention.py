@@ -112,8 +112,9 @@ class DDTreeFlashAttentionBuilder(FlashAttentionMetadataBuilder):
                                  fast_build)
             # the step's own width (an adaptive engine's steps are narrower than its
             # largest budget): the kernel's grid and tiling follow it
+            uniform = common.num_actual_tokens == num_reqs * common.max_query_len
             tree = TreeAttnMeta(True, prefix_lens, None, rows.bits,
-                                rows.kernel_rows(common.max_query_len))
+                                rows.kernel_rows(common.max_query_len, uniform))
         else:
             meta = super().build(common_prefix_len, common, fast_build)
             tree = TreeAttnMeta(False, prefix_lens, rows.query_end[:num_reqs], rows.bits,

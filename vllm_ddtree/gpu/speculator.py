@@ -62,6 +62,10 @@ logger = init_logger(__name__)
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
+    # [max_num_reqs + 1]: the tree a drafter pass of n requests builds (None: the
+    # budget), known once the drafter's CUDA graphs are (init_cudagraph_manager); a
+    # class default because vLLM's __init__ sizes buffers through methods that read it
+    _tree_budgets: list[int] | None = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
@@ -87,9 +91,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._nonfinite_log = NonfiniteDraftLog()
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
-        # [max_num_reqs + 1]: the tree a drafter pass of n requests builds (None: the
-        # budget), known once the drafter's CUDA graphs are (init_cudagraph_manager)
-        self._tree_budgets: list[int] | None = None
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         super().init_cudagraph_manager(cudagraph_mode)
@@ -180,6 +181,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         """The tree budget of a drafter pass of ``num_reqs`` requests (a Python int:
         fixed in the pass's CUDA graph at capture)."""
         return self.budget if self._tree_budgets is None else self._tree_budgets[num_reqs]
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        """Target rows a captured drafter pass of ``num_reqs`` requests stores as the
+        drafter's context (its combine, K/V projection and RoPE run inside the graph):
+        vLLM's rule, one verify per request, at the widest tree the graph's steps verify
+        rather than the engine's largest budget, so an adaptive engine's graphs compute
+        no padding rows (a step with more target rows, e.g. a prefill, has vLLM store
+        the rest before the replay).  While vLLM's ``__init__`` sizes its staging
+        buffer, and without a per-batch-size schedule: vLLM's own."""
+        if self._tree_budgets is None:
+            return super()._num_graph_context_tokens(num_reqs)
+        return min(num_reqs * (1 + self._tree_budgets[num_reqs]), self.max_num_tokens)
 
     def _sample_rows(self, num_reqs: int) -> torch.Tensor:  # [num_reqs * max_depth]
         """The drafter rows whose logits draft depths 1..D, request-major: vLLM's DFlash

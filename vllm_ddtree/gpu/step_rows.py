@@ -38,11 +38,17 @@ class StepRows:
         # host flag: this step verifies trees (else the attention runs vLLM's own path)
         self.has_trees = False
 
-    def kernel_rows(self, max_query_len: int) -> int:
-        """Verify rows per request that a tree-attention launch covers in a step whose
-        longest request has ``max_query_len <= max_rows`` rows: the narrowest verify
-        width that holds them.  An adaptive engine's narrow steps then take the narrow
-        tiling (not the widest budget's), and every step takes a tiling its CUDA-graph
-        capture compiled at start-up (one per width)."""
+    def kernel_rows(self, max_query_len: int, uniform: bool) -> int:
+        """Verify rows per request that a fused tree-attention launch covers in a step
+        whose longest request has ``max_query_len <= max_rows`` rows.  A uniform batch
+        (every request ``max_query_len`` rows: the decode steps CUDA-graph capture runs)
+        takes the narrowest verify width that holds them, so an adaptive engine's narrow
+        steps take the narrow tiling, one its capture compiled.  A mixed batch (short
+        prefills beside trees, never captured) takes the widest: the tiling follows the
+        width and the request count, and capture runs narrow widths only at the batch
+        sizes that verify them, so a narrow width at another request count would compile
+        mid-serving; vLLM's warm-up and capture compile the widest at every size class."""
+        if not uniform:
+            return self.max_rows
         widths = self.verify_widths
         return widths[min(bisect.bisect_left(widths, max_query_len), len(widths) - 1)]
