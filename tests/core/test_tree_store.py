@@ -151,9 +151,9 @@ def test_reference_matches_store_batch(B, D, triton_runs):
              ts._batch_ancestor_bits, ts._batch_chain)  # what store_batch writes
     fresh = [t.clone() for t in batch]
     draft_tokens = torch.full((S, B), SENTINEL, dtype=torch.int32)
-    ts.store_batch(tree, logits, draft_tokens)
+    assert ts.store_batch(tree, logits, draft_tokens).tolist() == bad.tolist()
     want = [draft_tokens, *batch]
-    assert int(ts.num_nonfinite) == 2
+    assert int(bad.sum()) == 2
 
     stores = [store_trees_torch]
     if triton_runs:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_ddtree.gpu.compaction import KVCompactor, hidden_row_perm
+from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
 from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.gpu.tree_state import TreeStates
 from vllm_ddtree.gpu.verify_sampling import choose_children, draw_stop_tokens
@@ -49,19 +50,19 @@ def _inputs(seed: int) -> dict:
 
 
 def _step(trees: TreeStates, rows: StepRows, compactor: KVCompactor,
-          pinned_nonfinite: torch.Tensor, x: dict) -> None:
+          nonfinite: NonfiniteCount, x: dict) -> None:
     dev = torch.device("cuda")
     n, cu, idx = x["n"], x["query_start"], x["idx_mapping"]
     # drafter pass: the trees, stored; a chain fallback from host flags; the commit
     tree = build_tree(x["draft_logits"], B)
-    trees.store_batch(tree, x["draft_logits"], x["draft_tokens"])
+    nonfinite.add(trees.store_batch(tree, x["draft_logits"], x["draft_tokens"]))
     chain = trees.chain_rows(x["idx_np"])  # host flags only
     assert chain.tolist() == [2]
     # as the speculator copies it: pinned memory, non_blocking
     trees.apply_chain_fallback(torch.from_numpy(chain).pin_memory().to(dev, non_blocking=True),
                                x["draft_tokens"])
     trees.commit(idx, R)
-    pinned_nonfinite.copy_(trees.num_nonfinite, non_blocking=True)
+    nonfinite.report()  # the host reads the last copy, the next one starts
 
     # target step: verify rows, W per request
     trees.fill_rows(rows, cu, cu, idx, x["positions"], x["seq_lens"], R, R, n,
@@ -92,17 +93,17 @@ def test_a_step_has_no_device_to_host_sync():
     caches = [torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16, device=dev)
               for _ in range(3)]
     compactor = KVCompactor(caches)
-    pinned_nonfinite = torch.zeros(1, dtype=torch.int64).pin_memory()
-    _step(trees, rows, compactor, pinned_nonfinite, _inputs(0))  # compiles the kernels
+    nonfinite = NonfiniteCount(dev)
+    _step(trees, rows, compactor, nonfinite, _inputs(0))  # compiles the kernels
     x = _inputs(1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _step(trees, rows, compactor, pinned_nonfinite, x)
+        _step(trees, rows, compactor, nonfinite, x)
         # the mode catches a sync: the check can fail
         with pytest.raises(RuntimeError, match="synchroniz"):
-            int(trees.num_nonfinite)
+            int(trees.walk_tokens[0, 0])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert int(pinned_nonfinite[0]) == 0
+    assert nonfinite.seen == 0

@@ -139,16 +139,16 @@ def test_verify_step_matches_reference_walk():
 def test_nonfinite_draft_logits_give_bonus_only_steps():
     """A request whose draft logits hold NaN/inf gets an empty tree (and an empty chain when
     it falls back): every draft slot holds a valid token id but none can be accepted, so
-    the step commits the target's bonus token; the device counter counts it."""
+    the step commits the target's bonus token; the store returns their mask."""
     ts = TreeStates(max_num_reqs=4, budget=B, max_depth=D, device="cpu")
     logits = torch.randn(3, D, V, generator=torch.Generator().manual_seed(3))
     logits[1, 2, 5] = float("nan")
     logits[2, 0, 7] = float("inf")
     tree = build_tree(logits, B)
     draft_tokens = torch.full((4, B), -7, dtype=torch.int64)
-    ts.store_batch(tree, logits, draft_tokens)
+    bad = ts.store_batch(tree, logits, draft_tokens)
     ts.apply_chain_fallback(torch.tensor([2]), draft_tokens)  # request 2 verified as a chain
-    assert int(ts.num_nonfinite) == 2
+    assert bad.tolist() == [False, True, True]
     assert (ts._batch_walk_tokens[0] >= 0).any()  # the finite request keeps its tree
     assert (ts._batch_walk_tokens[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
     assert (draft_tokens[:3] >= 0).all()  # but the target is fed real token ids
@@ -179,3 +179,21 @@ def test_kernel_rows_follow_the_step_width():
         [B + 1] * 6
     assert (fixed.max_rows, fixed.num_words, adaptive.num_words) == (B + 1, 1, 2)
     assert fixed.bits.shape == (8, 1) and fixed.prefix_lens.shape == (2,)
+
+
+def test_nonfinite_count_reaches_the_host_a_report_later():
+    """The NaN/inf count is added on the device and read from the previous report's
+    copy (no sync); warm-up passes' counts are dropped."""
+    from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
+
+    count = NonfiniteCount("cpu")
+    count.add(torch.tensor([True, False, True]))
+    assert count.seen == 0  # nothing copied yet
+    count.report()
+    count.add(torch.tensor([True]))
+    assert count.seen == 2
+    count.report()
+    assert count.seen == 3
+    count.reset()
+    count.report()
+    assert count.seen == 0

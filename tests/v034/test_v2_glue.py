@@ -156,13 +156,15 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
 def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+    from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
     from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **k: "drafts")
     binding, _ = _binding()
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.trees, spec.online, spec._accepted = binding.trees, None, None
-    spec._report_nonfinite = lambda: None
+    spec._nonfinite = NonfiniteCount("cpu")
+    spec._nonfinite.add(torch.tensor([True, False]))  # this pass's NaN/inf request
     done = []
     monkeypatch.setattr(binding.trees, "commit", lambda *a: done.append(a))
     batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), idx_mapping=None)
@@ -170,6 +172,10 @@ def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
                        **kwargs)
     assert out == "drafts"
     assert len(done) == commits
+    # a real pass reports (its copy brings the count); a dummy pass's count is dropped
+    assert spec._nonfinite.seen == commits
+    spec._nonfinite.report()
+    assert spec._nonfinite.seen == (0 if kwargs.get("dummy_run") else 1)
 
 
 ADAPTIVE = [(1, 1, 63), (2, 3, 31), (4, 1 << 20, 15)]

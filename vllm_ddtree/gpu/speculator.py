@@ -36,7 +36,6 @@ from vllm_ddtree._patch.target_model import bind_model_state, use_tree_attention
 from vllm_ddtree.adaptive.publisher import make_publisher
 from vllm_ddtree.adaptive.schedule import drafter_budgets
 from vllm_ddtree.config import ddtree_params
-from vllm_ddtree.drafter_faults import NonfiniteDraftLog
 from vllm_ddtree.gpu.attention import (
     DDTreeFlashAttentionBackend,
     DDTreeFlashAttentionImpl,
@@ -44,6 +43,7 @@ from vllm_ddtree.gpu.attention import (
 )
 from vllm_ddtree.gpu.compaction import KVCompactor, hidden_row_perm
 from vllm_ddtree.gpu.model_state import DDTreeModelState
+from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
 from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.gpu.target_binding import TargetBinding
 from vllm_ddtree.gpu.tree_state import TreeStates
@@ -84,11 +84,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         # the verifier's accepted paths, read once by the next propose
         self._accepted: Accepted | None = None
         self._compactors: list[tuple[str, KVCompactor]] | None = None
-        # NaN/inf drafter logits: the device counter reaches the host by an asynchronous
-        # copy into pinned memory, read one step later (no sync)
-        self._nonfinite_host = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self._nonfinite_seen = self._nonfinite_host.numpy()  # its memory, read as numpy
-        self._nonfinite_log = NonfiniteDraftLog()
+        # NaN/inf drafter logits: counted on the device, reported a step later (no sync)
+        self._nonfinite = NonfiniteCount(device)
         # ddtree_adaptive_budget="online": per-step expectations for the scheduler (no sync)
         self.online = make_publisher(vllm_config, device, self.max_num_reqs)
 
@@ -164,6 +161,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                                         num_tokens_across_dp, cudagraph_runtime_mode)
         tree, draft_logits = self._draft_tree(hidden_states, num_reqs)
         bad = self.trees.store_batch(tree, draft_logits, self.draft_tokens)
+        self._nonfinite.add(bad)
         if self.online is not None:  # an emptied tree expects nothing
             self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
 
@@ -248,9 +246,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
             is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
         if dummy_run:  # warm-up/capture inputs are not a drafter failure
-            self.trees.num_nonfinite.zero_()
+            self._nonfinite.reset()
         elif num_speculative_tokens != 0:  # 0: vLLM skipped the drafter's query pass
-            self._report_nonfinite()
+            self._nonfinite.report()
             num_reqs = input_batch.num_reqs
             chain_rows = self.trees.chain_rows(input_batch.idx_mapping_np[:num_reqs])
             if chain_rows.size:  # host flags only: no device read
@@ -262,12 +260,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             if self.online is not None:
                 self.online.publish(num_reqs)
         return out
-
-    def _report_nonfinite(self) -> None:
-        # written by an earlier step's async copy; a numpy read (indexing the tensor
-        # would make a tensor per step)
-        self._nonfinite_log.report(int(self._nonfinite_seen[0]))
-        self._nonfinite_host.copy_(self.trees.num_nonfinite, non_blocking=True)
 
     def _compact(self, accepted: Accepted, input_batch: InputBatch,
                  slot_mappings: dict[str, torch.Tensor]) -> None:

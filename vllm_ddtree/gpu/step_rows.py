@@ -1,7 +1,8 @@
 """The verify rows of one target step: what the tree attention reads.
 
-Written once per step by :meth:`~vllm_ddtree.gpu.tree_state.TreeStates.fill_rows`
-(called from the model state's ``prepare_attn``), read by the tree attention's metadata
+Written once per step by :meth:`StepRows.fill` from the trees of the step's requests
+(:meth:`~vllm_ddtree.gpu.tree_state.TreeStates.fill_rows`, called from the model state's
+``prepare_attn``), read by the tree attention's metadata
 builder and kernels, by the model state (RoPE positions) and by the verifier (each
 node's position).  Persistent buffers: their addresses are baked into CUDA graphs.
 Pure torch (no vLLM import).
@@ -13,6 +14,8 @@ import bisect
 from collections.abc import Iterable
 
 import torch
+
+from vllm_ddtree.gpu.rows import fill_tree_rows
 
 
 class StepRows:
@@ -37,6 +40,29 @@ class StepRows:
         self.query_end = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         # host flag: this step verifies trees (else the attention runs vLLM's own path)
         self.has_trees = False
+
+    def fill(
+        self,
+        query_start: torch.Tensor,  # [num_reqs_padded + 1] int32 vLLM's query_start_loc
+        cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32
+        idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
+        positions: torch.Tensor,  # [num_tokens_padded] int64 linear positions
+        seq_lens: torch.Tensor,  # [num_reqs_padded] int32
+        ancestor_bits: torch.Tensor,  # [S, W, NW] int32 the trees' bits by request state
+        depths: torch.Tensor,  # [S, W] int64 the trees' row depths by request state
+        num_reqs: int,
+        num_reqs_padded: int,
+        num_tokens_padded: int,
+        has_trees: bool,
+    ) -> None:
+        """Write the step's rows: every verify row's ancestor bits and RoPE position,
+        every request's prefix length and recompute end (one launch on the GPU,
+        :func:`~vllm_ddtree.gpu.rows.fill_tree_rows`), and whether the step verifies
+        trees."""
+        fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, seq_lens,
+                       ancestor_bits, depths, self.bits, self.positions, self.prefix_lens,
+                       self.query_end, num_reqs, num_reqs_padded, num_tokens_padded)
+        self.has_trees = has_trees
 
     def kernel_rows(self, max_query_len: int, uniform: bool) -> int:
         """Verify rows per request that a fused tree-attention launch covers in a step

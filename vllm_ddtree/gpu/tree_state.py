@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree.gpu.rows import causal_words, commit_states, fill_tree_rows
+from vllm_ddtree.gpu.rows import causal_words, commit_states
 from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.gpu.tree_store import store_trees
 from vllm_ddtree.gpu.walk import Accepted, walk_rows
@@ -71,8 +71,6 @@ class TreeStates:
         self._chain_parents = torch.arange(budget, device=device)  # [B]
         # [S] host bools: verify this request state as a chain
         self._chain_flag = np.zeros(max_num_reqs, dtype=bool)
-        # [1] int64: request-steps whose draft logits held NaN/inf (emptied trees)
-        self.num_nonfinite = torch.zeros(1, dtype=torch.int64, device=device)
 
     # -- what the verifier reads -------------------------------------------------------
     @property
@@ -108,12 +106,11 @@ class TreeStates:
         """Write the batch's trees (one kernel, :func:`store_trees`; graph-capturable);
         slots past a narrower tree's nodes are never accepted.
         Requests whose draft logits hold NaN/inf get an empty tree and an empty chain
-        (bonus token only) and are counted in ``num_nonfinite``; returns their mask.
+        (bonus token only); returns their mask.
         The drafter's chain and the NaN/inf mask are the tree build's by-products
         (``tree.top1``, ``tree.nonfinite``), else read from ``draft_logits``."""
         bad = nonfinite_requests(tree, draft_logits)
         top1 = tree.top1 if tree.top1 is not None else draft_logits.argmax(dim=-1)
-        self.num_nonfinite.add_(bad.sum())
         store_trees(tree.token_ids, tree.parents, tree.depths, bad, top1, draft_tokens,
                     self._batch_walk_tokens, self._batch_parents, self._batch_depths,
                     self._batch_ancestor_bits, self._batch_chain)
@@ -162,15 +159,11 @@ class TreeStates:
         num_tokens_padded: int,
         has_trees: bool,
     ) -> None:
-        """Write the step's rows into ``out``: every verify row's ancestor bits and RoPE
-        position, every request's prefix length and recompute end (one launch on the
-        GPU, :func:`~vllm_ddtree.gpu.rows.fill_tree_rows`), and whether the step
-        verifies trees."""
-        fill_tree_rows(query_start, cu_num_logits, idx_mapping, positions, seq_lens,
-                       self._ancestor_bits, self._depths, out.bits, out.positions,
-                       out.prefix_lens, out.query_end, num_reqs, num_reqs_padded,
-                       num_tokens_padded)
-        out.has_trees = has_trees
+        """Have ``out`` write the step's rows from these requests' trees
+        (:meth:`~vllm_ddtree.gpu.step_rows.StepRows.fill`)."""
+        out.fill(query_start, cu_num_logits, idx_mapping, positions, seq_lens,
+                 self._ancestor_bits, self._depths, num_reqs, num_reqs_padded,
+                 num_tokens_padded, has_trees)
 
     def walk(
         self,
