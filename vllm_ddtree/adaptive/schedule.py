@@ -98,9 +98,9 @@ def candidates(max_budget: int, depth: int) -> list[int]:
     ``16 m - 1`` up to the maximum.  ``16 m - 1`` nodes verify ``16 m`` rows per request,
     whole row blocks of the Triton tree attention (16 rows; 32 over the tree keys of
     trees wider than 32 rows, which ``2**k - 1`` budgets fill): one node more opens a
-    block for one row, which doubled the tree attention at 32 requests with 16-row
-    blocks at every width (docs/benchmarks/core-gpu.md, "Tree build and tree attention
-    at Qwen3-8B shape").  A maximum with no such budget above ``D`` is kept."""
+    block for one row, and a block costs about the same however few rows it holds
+    (docs/benchmarks/core-gpu.md, "Tree build and tree attention at Qwen3-8B shape").
+    A maximum with no such budget above ``D`` is kept."""
     out = {min(depth, max_budget)}
     b = 15
     while b <= max_budget:

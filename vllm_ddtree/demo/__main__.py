@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-tokens must be >= 1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the tables readable
     # Before torch loads: with more OpenMP threads than free cores (a busy machine; the
-    # in-process CPU engine does not pin threads), tiny forwards run 20-40x slower.
+    # in-process CPU engine does not pin threads), tiny forwards spend their time waiting
+    # for cores (docs/benchmarks/cpu.md, "Why plain decoding wins here").
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     import torch

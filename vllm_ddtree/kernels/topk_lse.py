@@ -10,21 +10,20 @@ log-probabilities), the log-sum-exp from the chunks' maxima and sums, and the ro
 non-finite flag.  :func:`topk_lse_triton` launches them for the tree build's
 :func:`~vllm_ddtree.tree.build.depth_candidates_triton`; the reference is
 :func:`~vllm_ddtree.tree.build.depth_candidates_torch` (a stable sort).  With the
-pruning bound and this merge in Triton (four launches, in place of ~20 around two
-``torch.topk`` and a ``logsumexp``), the top-k of one request at budget 15 (15 rows)
-takes about a third of its earlier time in a CUDA graph (``benchmarks/gpu_step_parts.py``,
-column topk/g; docs/benchmarks/step-cost-h200.md, "The tree build's top-k merge and the
-T > 0 stop draw in Triton").
+pruning bound and this merge in Triton, the top-k is four launches, in place of ~20
+around two ``torch.topk`` and a ``logsumexp``: fewer launches in the step's CUDA graph
+(``benchmarks/gpu_step_parts.py``, column topk/g, times both;
+docs/benchmarks/step-cost-h200.md, "The tree build's top-k merge and the T > 0 stop draw
+in Triton").
 
 Two variants (``pruned``):
 
 * one pass: each program also writes its chunk's max and sum of exponentials
-  (for the log-sum-exp) and runs ``k`` max-reductions over its chunk.  At batch 32 of a
-  151936-token vocabulary this was the DDTree step's largest own kernel in a profile of
-  the whole step (480 rows, k = 15; docs/benchmarks/core-gpu.md, "Tree build and tree attention
-  at Qwen3-8B shape"): compute-bound on the ``k`` reductions.
-* pruned (the default: it halves the tree build at 32 requests x budget 15,
-  docs/benchmarks/core-gpu.md, "Tree build and tree attention at Qwen3-8B shape"): a first kernel
+  (for the log-sum-exp) and runs ``k`` max-reductions over its chunk: every chunk of
+  every row pays ``k`` reductions, so at many rows the kernel is compute-bound on them
+  (why pruned is the default: docs/benchmarks/core-gpu.md, "Tree build and tree
+  attention at Qwen3-8B shape").
+* pruned (the default; the same docs section compares the two): a first kernel
   writes the chunk maxima and sums; ``t`` = the ``k``-th largest chunk maximum of the row
   (one program per row) is a lower bound on the row's ``k``-th largest value (the top
   ``k`` chunk maxima are ``k`` distinct entries >= ``t``), so only entries >= ``t`` can
@@ -45,9 +44,8 @@ if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, key_tie, pack_key
 
 # Largest k each variant serves; beyond it the tree build uses torch.topk.  One pass:
-# its k reductions per chunk are faster than torch.topk only up to k = 16 (a limit of
-# 32 made the build at 32 requests over 1.5x slower; docs/benchmarks/core-gpu.md, "Tree build
-# and tree attention at Qwen3-8B shape").
+# its k reductions per chunk grow with k, and above k = 16 torch.topk costs less
+# (docs/benchmarks/core-gpu.md, "Tree build and tree attention at Qwen3-8B shape").
 ONE_PASS_MAX_K = 16
 PRUNED_MAX_K = 64
 
@@ -181,7 +179,7 @@ if HAS_TRITON:
             packed = tl.reshape(tl.sort(packed, descending=True), (SMALL // KP, KP))
             first = (tl.arange(0, SMALL // KP) == 0)[:, None]
             top = tl.max(tl.where(first, packed, -9223372036854775807 - 1), 0)
-        else:  # over the flat slots: one reduction a key (a 2-D tile's two are slower)
+        else:  # over the flat slots: one reduction a key, not a 2-D tile's two
             i_flat = tl.arange(0, BLOCK_N)
             flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat,
                            mask=i_flat < n_chunks * K,
@@ -234,8 +232,8 @@ def topk_tuning(k: int, rows: int) -> TopkTuning:
     docs/benchmarks/step-cost-h200.md, "The tree build's top-k and sort settings").  The
     bound by one sort on one warp; 4-warp chunk programs (the ``rows x chunks`` grid
     fills the GPU); the merge by one sort of up to
-    ``max(128, 4 kp)`` live keys (``kp``: ``k`` up to a power of two; the median row of
-    normal logits has 20 at k = 15, 140 at k = 63), on 8 warps while a program per row
+    ``max(128, 4 kp)`` live keys (``kp``: ``k`` up to a power of two; a typical row has
+    fewer, the docs section gives the medians), on 8 warps while a program per row
     leaves SMs idle (up to 132 rows)."""
     kp = next_pow2(k)
     return TopkTuning(stats_warps=8, bound_warps=1, topk_warps=4,

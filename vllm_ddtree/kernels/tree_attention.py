@@ -257,17 +257,16 @@ def tree_attn_tiling(
     max_tile = max(16, min(128, 16384 // head_dim))
     # Tree keys of at most 128 verify rows in all (batch 8 at budget 15, 2 at 63): the
     # launch is latency-bound, and 16-row tiles (one 16-row tl.dot) give the most
-    # programs; faster there than whole-tree tiles at Qwen3-8B's attention shape
-    # (benchmarks.tree_attn_tiling; docs/benchmarks/step-cost-h200.md, "Tree-attention
-    # kernel sweep").
+    # programs to spread it over (benchmarks.tree_attn_tiling compares them with
+    # whole-tree tiles: docs/benchmarks/step-cost-h200.md, "Tree-attention kernel sweep").
     small = (not include_prefix and num_reqs is not None and num_reqs * max_rows <= 128
              and block_m is None)
     if small:
         block_m = max(1, min(max_rows, 16 // heads))
     if block_m is None:
         # a 16-row block holds a whole budget-15 tree; over the tree keys of trees wider
-        # than 32 rows, 32-row blocks (fewer programs re-reading the same keys: half the
-        # kernel time at budget 63 from batch 8 up, same sweep); narrower trees shrink it
+        # than 32 rows, 32-row blocks (fewer programs re-reading the same keys; same
+        # docs section); narrower trees shrink it
         rows = 32 if not include_prefix and max_rows > 32 else 16
         block_m = max(1, min(max_rows, rows, max_tile // heads))
     tile_m = max(16, next_pow2(block_m * heads))
@@ -279,10 +278,9 @@ def tree_attn_tiling(
             # (K + V of a tile stay <= 32 KiB a pipeline stage)
             block_n = min(64, 8192 // head_dim, max(16, next_pow2(max_rows)))
     if num_warps is None:
-        # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling (sm_90:
-        # 160..210 registers a thread), and over tree keys alone (one key tile) up to
-        # 128 x 128 with 32 keys; wider tiles take 8, and so do 64-key tiles under a
-        # small batch's 16-row tiles (same sweep)
+        # 4 warps hold a 64 x 128 tile with 16..32-key tiles without spilling, and over
+        # tree keys alone (one key tile) up to 128 x 128 with 32 keys; wider tiles take
+        # 8, and so do 64-key tiles under a small batch's 16-row tiles (same docs section)
         limit = 64 * (128 + 32) if include_prefix else 128 * (128 + 32)
         wide = tile_m * (head_dim + block_n) > limit
         num_warps = 8 if wide or (small and block_n >= 64) else 4

@@ -199,10 +199,11 @@ def triton_build_supported(max_depth: int, k: int, width: int) -> bool:
 
 def build_warps(sort_width: int, global_width: int) -> int:
     """Warps of one tree-build program whose per-depth sorts are ``sort_width`` keys
-    and whose global selection sorts ``global_width``: 8 from 512-key sorts (budget 63:
-    a quarter less time a request than 4), else 4 (1 or 2 are no faster at budget 15,
-    slower at 31); from ``benchmarks.tree_build_tuning`` (docs/benchmarks/step-cost-h200.md,
-    "The tree build's top-k and sort settings")."""
+    and whose global selection sorts ``global_width``: 8 from 512-key sorts (budget 63)
+    or a 2048-key selection (sorts with the work to share among more threads), else 4
+    (smaller sorts gain nothing from another warp count); chosen with
+    ``benchmarks.tree_build_tuning`` (docs/benchmarks/step-cost-h200.md, "The tree
+    build's top-k and sort settings")."""
     return 8 if sort_width >= 512 or global_width >= 2048 else 4
 
 

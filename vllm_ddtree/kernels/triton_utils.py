@@ -1,6 +1,7 @@
 """The one Triton probe of the package: ``HAS_TRITON`` and, when it is true, ``triton`` and
-``tl``.  Kernel modules define their kernels under ``if HAS_TRITON:`` and keep a torch
-reference beside each, so the package imports (and runs) without Triton.  Each operation
+``tl``.  Kernel modules define their kernels under ``if HAS_TRITON:``, and every kernel
+has a torch reference (beside it, or in :mod:`vllm_ddtree.tree` for the tree build's
+kernels), so the package imports (and runs) without Triton.  Each operation
 ``op`` has ``op_torch`` (the reference) and, where a kernel exists, ``op_triton`` (its
 launcher); ``op`` itself picks one by the single rule :func:`use_triton`.  Tests call the
 two variants directly.  Also the one power-of-two rounding of launch shapes, in plain

@@ -192,9 +192,9 @@ def depth_candidates_torch(
 
 def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest entries of the last dim (no NaN), by value descending, ties by
-    lower index: a full stable sort's first ``k``, without sorting the vocabulary (an
-    order of magnitude faster on CPU; docs/benchmarks/cpu.md, "The CPU tree build's top-k").  The
-    entries above the k-th value, then the lowest-index entries equal to it."""
+    lower index: a full stable sort's first ``k``, without sorting the vocabulary (the
+    sort is the cost this avoids on CPU; docs/benchmarks/cpu.md, "The CPU tree build's
+    top-k").  The entries above the k-th value, then the lowest-index entries equal to it."""
     if k >= x.shape[-1]:
         vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
         return vals[..., :k], idx[..., :k]
@@ -213,8 +213,9 @@ def _topk_exact_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _topk_lowest_index(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the last dim in index order; ties at the k-th value resolve to the lowest
-    indices (CUDA's radix-select top-k gathers equal values in index order).  A
-    chunked two-stage variant was slower (docs/benchmarks/core-gpu.md, "Reading")."""
+    indices (CUDA's radix-select top-k gathers equal values in index order).  One
+    ``torch.topk`` over the whole row, not a chunked two-stage top-k (compared in
+    docs/benchmarks/core-gpu.md, "Reading")."""
     vals, idx = torch.topk(x, k, dim=-1, sorted=False)
     idx, perm = torch.sort(idx, dim=-1)
     return torch.gather(vals, -1, perm), idx
@@ -282,9 +283,9 @@ def build_tree(
         inplace: allow overwriting NaN/inf entries of ``draft_logits`` (saves a copy
             on CUDA; the vLLM runners own their draft-logit buffers).
         topk_pruned: on CUDA, the per-depth top-k kernel's variant
-            (:mod:`vllm_ddtree.kernels.topk_lse`): pruned (default; it halves the tree
-            build at 32 requests x budget 15: docs/benchmarks/core-gpu.md, "Tree build and tree
-            attention at Qwen3-8B shape") or one pass.
+            (:mod:`vllm_ddtree.kernels.topk_lse`): pruned (default: it skips the chunks
+            that cannot hold a top-k entry; docs/benchmarks/core-gpu.md, "Tree build and
+            tree attention at Qwen3-8B shape", compares the two) or one pass.
             Both give identical trees.
 
     The candidates come from :func:`depth_candidates`; the selection is

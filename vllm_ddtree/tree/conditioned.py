@@ -78,8 +78,8 @@ def build_conditioned_tree(
 
     Each depth's selection is :func:`build_conditioned_tree_triton`'s one launch where
     :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and its pair sort fits one
-    program (a quarter to a third less build time at D 16, V 49152, B 15:
-    ``benchmarks.core_gpu --conditioned``, docs/benchmarks/core-gpu.md,
+    program (one launch a depth in place of a run of small torch kernels;
+    ``benchmarks.core_gpu --conditioned`` compares the two: docs/benchmarks/core-gpu.md,
     "Conditioned (DSpark) tree build"), else :func:`build_conditioned_tree_torch`'s; the same
     tree.
     """
