@@ -191,16 +191,23 @@ class DDTreeProposer(DFlashProposer):
         token_indices_to_sample: torch.Tensor | None,
         common_attn_metadata: CommonAttentionMetadata,
         sampling_metadata: SamplingMetadata,
-        *args: Any,
-        **kwargs: Any,
+        # (each multimodal item's embeddings, [num_tokens] bool: rows they fill)
+        mm_embed_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,  # [num_reqs]
+        # layer name -> [num_tokens] KV slot per row (a list of those: one per micro-batch)
+        slot_mappings: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:  # [num_reqs, num_speculative_tokens] or [num_reqs, depth] (chain)
+        """vLLM's V1 runner calls this as it calls ``SpecDecodeBaseProposer.propose``
+        (all by keyword); the drafter pass gets ``depth`` query slots."""
         target_hidden_states, target_positions = self._linearize_context(
             target_hidden_states, target_positions, common_attn_metadata)
         depth = min(self.depth, num_speculative_tokens)
         self._draft_logits = None
-        chain = super().propose(depth, target_token_ids, target_positions,
-                                target_hidden_states, next_token_ids, token_indices_to_sample,
-                                common_attn_metadata, sampling_metadata, *args, **kwargs)
+        chain = super().propose(
+            depth, target_token_ids, target_positions, target_hidden_states,
+            next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+            mm_embed_inputs=mm_embed_inputs, num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            slot_mappings=slot_mappings)
         self.num_speculative_tokens = num_speculative_tokens
         num_reqs = chain.shape[0]
         req_ids = list(self._batch_req_ids()[:num_reqs])
