@@ -21,12 +21,14 @@ tokens for its spec-decode metrics, exactly as for a chain.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -66,8 +68,15 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         # this runner's verify step in flight, read by its target layers' attention
         self._verify_context = VerifyContext()
 
-    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(*args, **kwargs)  # sets each layer's CPU attention ISA
+    def initialize_kv_cache(
+        self,
+        kv_cache_config: KVCacheConfig,
+        is_profiling: bool = False,
+        kv_cache_allocation_context: AbstractContextManager | None = None,
+    ) -> None:
+        # sets each layer's CPU attention ISA
+        super().initialize_kv_cache(kv_cache_config, is_profiling,
+                                    kv_cache_allocation_context=kv_cache_allocation_context)
         from vllm_ddtree.cpu import attention
 
         ctx = self.vllm_config.compilation_config.static_forward_context
