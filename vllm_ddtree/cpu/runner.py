@@ -34,7 +34,12 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.config import is_ddtree
-from vllm_ddtree.cpu.proposer import AcceptedPath, DDTreeProposer, min_p_of, tree_eligible
+from vllm_ddtree.cpu.proposer import (
+    AcceptedPath,
+    BatchLogitsProcs,
+    DDTreeProposer,
+    tree_eligible,
+)
 from vllm_ddtree.cpu.tree_store import (
     ScheduledTree,
     VerifyContext,
@@ -62,9 +67,13 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                 "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
                 "supported yet (tree positions are written to the 1-D positions only); "
                 "use method 'dflash' for this model.")
+        # vLLM builds the logits processors with the runner and keeps them for the
+        # engine's life: sorted here once, not per step
+        self._logits_procs = BatchLogitsProcs(self.input_batch.logitsprocs)
         self.drafter = DDTreeProposer(self.vllm_config, self.device,
                                       batch_req_ids=self.batch_req_ids,
-                                      batch_params=self.batch_params)
+                                      batch_params=self.batch_params,
+                                      logits_procs=self._logits_procs)
         # this runner's verify step in flight, read by its target layers' attention
         self._verify_context = VerifyContext()
 
@@ -128,8 +137,10 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         None when the batch is not verified as trees (vLLM's path)."""
         drafter = self.drafter
         drafts_of = scheduler_output.scheduled_spec_decode_tokens  # req id -> draft ids
-        drafter.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        if not tree_eligible(self.input_batch.sampling_metadata, self.batch_params()):
+        # a set on every vLLM 0.32 SchedulerOutput (empty when none finished)
+        drafter.forget(scheduler_output.finished_req_ids)
+        if not tree_eligible(self.input_batch.sampling_metadata, self._logits_procs,
+                             self.batch_params()):
             return None
         query_start = self.query_start_loc.np
         req_ids = self.batch_req_ids()
@@ -294,7 +305,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                 return None
             return per_request[:num_reqs].repeat_interleave(rows_per_req)  # [num_logits]
 
-        min_p = min_p_of(metadata, num_reqs)
+        min_p = self._logits_procs.min_p(num_reqs)
         generators: dict[int, torch.Generator] = {}  # logits row -> its keyed generator
         if metadata.generators:
             row_positions = self.positions[spec_decode_metadata.logits_indices.long()].tolist()
