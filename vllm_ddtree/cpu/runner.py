@@ -48,6 +48,7 @@ from vllm_ddtree.cpu.tree_store import (
     stack_trees,
 )
 from vllm_ddtree.logger import init_logger
+from vllm_ddtree.support import refuse_multimodal_rope
 from vllm_ddtree.tree import compaction_plan, tree_layout, walk_tree
 from vllm_ddtree.tree.sampling import keyed_generator, sample_rows
 
@@ -62,11 +63,9 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def ddtree_init(self) -> None:
         assert is_ddtree(self.speculative_config)
-        if self.uses_mrope or getattr(self, "uses_xdrope_dim", 0):
-            raise NotImplementedError(
-                "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
-                "supported yet (tree positions are written to the 1-D positions only); "
-                "use method 'dflash' for this model.")
+        # vLLM 0.32's uses_mrope covers XD-RoPE too (it reads xdrope_section as the
+        # M-RoPE section); its runner has no separate XD-RoPE attribute
+        refuse_multimodal_rope(self.uses_mrope)
         # vLLM builds the logits processors with the runner and keeps them for the
         # engine's life: sorted here once, not per step
         self._logits_procs = BatchLogitsProcs(self.input_batch.logitsprocs)
