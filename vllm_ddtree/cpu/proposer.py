@@ -179,6 +179,12 @@ class DDTreeProposer(DFlashProposer):
         self.online = make_publisher(vllm_config, device,
                                      vllm_config.scheduler_config.max_num_seqs)
 
+    @property
+    def draft_layer_names(self) -> frozenset[str]:
+        """The drafter's attention layers (those with a KV cache), as vLLM's
+        ``load_model`` found them: read only after the drafter is loaded."""
+        return frozenset(self._draft_attn_layer_names)
+
     # -- the runner's hand-offs ---------------------------------------------------
     def scheduled_tree(self, req_id: str, draft_token_ids: Sequence[int]) -> ScheduledTree:
         """The tree that the scheduled drafts of ``req_id`` form (see

@@ -105,7 +105,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
     def _target_layer_names(self) -> frozenset[str]:
         """The target model's attention layers (every attention layer not the drafter's)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
-        draft = set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+        draft = self.drafter.draft_layer_names
         return frozenset(name for name, layer in ctx.items()
                          if name not in draft and hasattr(layer, "impl"))
 
