@@ -332,6 +332,6 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         first_rows = (num_rows.cumsum(0) - num_rows).unsqueeze(1)  # [R, 1] in step.rows
         src = (first_rows + plan.src_rows)[plan.moves]
         dst = (first_rows + plan.dst_rows)[plan.moves]
-        for kv in step.kv_rows.values():
+        for kv in step.kept_kv():
             kv.impl.do_kv_cache_update(kv.layer, kv.key[src], kv.value[src], kv.kv_cache,
                                        kv.slot_mapping[dst])
