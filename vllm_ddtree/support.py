@@ -8,6 +8,8 @@ its own).
   as a linear chain (the drafter's top-1 path): exact, fewer tokens accepted.
 * :func:`attention_problems`: attention features the tree kernels do not implement;
   a target layer that uses any of them is refused at load time.
+* :func:`refuse_multimodal_rope`: a target with multimodal RoPE is refused at load time
+  (tree positions are written to the 1-D positions only).
 
 No vLLM import: both read vLLM objects through their attributes.
 """
@@ -63,3 +65,13 @@ def refuse_layer(layer_name: str, problems: list[str], path: str) -> None:
             f"vllm-ddtree: target attention layer {layer_name} uses {'; '.join(problems)}, "
             f"which the {path} tree attention does not support; use method 'dflash' for "
             "this model.")
+
+
+def refuse_multimodal_rope(uses_multimodal_rope: bool) -> None:
+    """Raise for a target whose RoPE is multimodal (M-RoPE/XD-RoPE): a tree verify writes
+    each node's position (root + depth) to the 1-D positions only."""
+    if uses_multimodal_rope:
+        raise NotImplementedError(
+            "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
+            "supported yet (tree positions are written to the 1-D positions only); "
+            "use method 'dflash' for this model.")

@@ -1,12 +1,17 @@
 """What a tree verify supports (:mod:`vllm_ddtree.support`): the sampling features that
-make a request verify a chain, and the attention features that refuse a target layer.
+make a request verify a chain, and the attention and RoPE features that refuse a target.
 Duck-typed stand-ins for vLLM's objects (the module reads their attributes only)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_ddtree.support import attention_problems, chain_reason, refuse_layer
+from vllm_ddtree.support import (
+    attention_problems,
+    chain_reason,
+    refuse_layer,
+    refuse_multimodal_rope,
+)
 
 
 class Params:
@@ -76,3 +81,10 @@ def test_refuse_layer():
     with pytest.raises(NotImplementedError, match=r"layers\.3\.attn uses ALiBi; an fp8 KV "
                                                   r"cache, which the GPU tree attention"):
         refuse_layer("layers.3.attn", ["ALiBi", "an fp8 KV cache"], "GPU")
+
+
+def test_refuse_multimodal_rope():
+    refuse_multimodal_rope(False)  # 1-D RoPE: nothing to refuse
+    with pytest.raises(NotImplementedError, match=r"multimodal RoPE \(M-RoPE/XD-RoPE\).*"
+                                                  r"use method 'dflash'"):
+        refuse_multimodal_rope(True)

@@ -10,6 +10,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from vllm_ddtree.cpu.attention import check_supported, unpack_blocks
+from vllm_ddtree.cpu.proposer import BatchLogitsProcs
 from vllm_ddtree.cpu.tree_store import (
     ScheduledTree,
     TreeStore,
@@ -101,3 +102,46 @@ def test_slots_past_the_tree_are_scheduled_but_never_accepted():
     accepted, num_accepted, bonus = walk_tree(stack_trees([scheduled]),
                                               torch.tensor([[0, 4, 7, 0, 0]]))
     assert accepted[0, :num_accepted[0]].tolist() == [0, 1, 2] and int(bonus[0]) == 7
+
+
+def test_logits_processors_sorted_once_state_read_per_step():
+    """vLLM's built-ins are told apart at construction; per step only their request
+    state decides: min-p is applied per node, logit bias and min-tokens block while a
+    request uses them, any other processor always blocks."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor, LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    cpu = torch.device("cpu")
+    min_p = MinPLogitsProcessor(SimpleNamespace(scheduler_config=SimpleNamespace(
+        max_num_seqs=4)), cpu, False)
+    bias = LogitBiasLogitsProcessor(None, cpu, False)
+    min_tokens = MinTokensLogitsProcessor(None, cpu, False)
+    procs = BatchLogitsProcs(LogitsProcessors([min_p, bias, min_tokens]))
+    assert procs.blocking_reason() is None and procs.min_p(2) is None
+    min_p.min_p_count, min_p.min_p_cpu[1] = 1, 0.25
+    assert procs.min_p(2).tolist() == [0.0, 0.25] and procs.blocking_reason() is None
+    min_tokens.min_toks[0] = (3, [], set(), False)
+    assert procs.blocking_reason() == (
+        "an active logits processor (MinTokensLogitsProcessor)")
+    bias.biases[1] = {5: 1.0}  # both active: the first in vLLM's order is the reason
+    assert procs.blocking_reason() == "an active logits processor (LogitBiasLogitsProcessor)"
+
+    class Custom(LogitsProcessor):
+        def __init__(self) -> None:
+            self.biases: dict = {}  # named like vLLM's state, but its own
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    assert BatchLogitsProcs(LogitsProcessors([Custom()])).blocking_reason() == (
+        "an active logits processor (Custom)")

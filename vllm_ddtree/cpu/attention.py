@@ -115,9 +115,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 enable_gqa=num_heads != num_kv_heads)
             out[rows] = attended.transpose(0, 1).to(out.dtype)
         verify_rows = step.rows
-        step.kv_rows[layer.layer_name] = VerifyKV(
+        step.keep_kv(layer.layer_name, VerifyKV(
             layer, self, kv_cache, key[verify_rows].clone(), value[verify_rows].clone(),
-            metadata.slot_mapping[verify_rows].clone())
+            metadata.slot_mapping[verify_rows].clone()))
 
 
 SUPPORTED_ISAS = ("vec", "vec16", "amx")  # KV layouts whose unpacking is verified

@@ -21,18 +21,25 @@ tokens for its spec-decode metrics, exactly as for a chain.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.config import is_ddtree
-from vllm_ddtree.cpu.proposer import AcceptedPath, DDTreeProposer, min_p_of, tree_eligible
+from vllm_ddtree.cpu.proposer import (
+    AcceptedPath,
+    BatchLogitsProcs,
+    DDTreeProposer,
+    tree_eligible,
+)
 from vllm_ddtree.cpu.tree_store import (
     ScheduledTree,
     VerifyContext,
@@ -41,6 +48,7 @@ from vllm_ddtree.cpu.tree_store import (
     stack_trees,
 )
 from vllm_ddtree.logger import init_logger
+from vllm_ddtree.support import refuse_multimodal_rope
 from vllm_ddtree.tree import compaction_plan, tree_layout, walk_tree
 from vllm_ddtree.tree.sampling import keyed_generator, sample_rows
 
@@ -55,19 +63,28 @@ class DDTreeCPUModelRunner(CPUModelRunner):
 
     def ddtree_init(self) -> None:
         assert is_ddtree(self.speculative_config)
-        if self.uses_mrope or getattr(self, "uses_xdrope_dim", 0):
-            raise NotImplementedError(
-                "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
-                "supported yet (tree positions are written to the 1-D positions only); "
-                "use method 'dflash' for this model.")
+        # vLLM 0.32's uses_mrope covers XD-RoPE too (it reads xdrope_section as the
+        # M-RoPE section); its runner has no separate XD-RoPE attribute
+        refuse_multimodal_rope(self.uses_mrope)
+        # vLLM builds the logits processors with the runner and keeps them for the
+        # engine's life: sorted here once, not per step
+        self._logits_procs = BatchLogitsProcs(self.input_batch.logitsprocs)
         self.drafter = DDTreeProposer(self.vllm_config, self.device,
                                       batch_req_ids=self.batch_req_ids,
-                                      batch_params=self.batch_params)
+                                      batch_params=self.batch_params,
+                                      logits_procs=self._logits_procs)
         # this runner's verify step in flight, read by its target layers' attention
         self._verify_context = VerifyContext()
 
-    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(*args, **kwargs)  # sets each layer's CPU attention ISA
+    def initialize_kv_cache(
+        self,
+        kv_cache_config: KVCacheConfig,
+        is_profiling: bool = False,
+        kv_cache_allocation_context: AbstractContextManager | None = None,
+    ) -> None:
+        # sets each layer's CPU attention ISA
+        super().initialize_kv_cache(kv_cache_config, is_profiling,
+                                    kv_cache_allocation_context=kv_cache_allocation_context)
         from vllm_ddtree.cpu import attention
 
         ctx = self.vllm_config.compilation_config.static_forward_context
@@ -88,7 +105,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
     def _target_layer_names(self) -> frozenset[str]:
         """The target model's attention layers (every attention layer not the drafter's)."""
         ctx = self.vllm_config.compilation_config.static_forward_context
-        draft = set(getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+        draft = self.drafter.draft_layer_names
         return frozenset(name for name, layer in ctx.items()
                          if name not in draft and hasattr(layer, "impl"))
 
@@ -119,8 +136,10 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         None when the batch is not verified as trees (vLLM's path)."""
         drafter = self.drafter
         drafts_of = scheduler_output.scheduled_spec_decode_tokens  # req id -> draft ids
-        drafter.forget(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        if not tree_eligible(self.input_batch.sampling_metadata, self.batch_params()):
+        # a set on every vLLM 0.32 SchedulerOutput (empty when none finished)
+        drafter.forget(scheduler_output.finished_req_ids)
+        if not tree_eligible(self.input_batch.sampling_metadata, self._logits_procs,
+                             self.batch_params()):
             return None
         query_start = self.query_start_loc.np
         req_ids = self.batch_req_ids()
@@ -285,7 +304,7 @@ class DDTreeCPUModelRunner(CPUModelRunner):
                 return None
             return per_request[:num_reqs].repeat_interleave(rows_per_req)  # [num_logits]
 
-        min_p = min_p_of(metadata, num_reqs)
+        min_p = self._logits_procs.min_p(num_reqs)
         generators: dict[int, torch.Generator] = {}  # logits row -> its keyed generator
         if metadata.generators:
             row_positions = self.positions[spec_decode_metadata.logits_indices.long()].tolist()
@@ -313,6 +332,6 @@ class DDTreeCPUModelRunner(CPUModelRunner):
         first_rows = (num_rows.cumsum(0) - num_rows).unsqueeze(1)  # [R, 1] in step.rows
         src = (first_rows + plan.src_rows)[plan.moves]
         dst = (first_rows + plan.dst_rows)[plan.moves]
-        for kv in step.kv_rows.values():
+        for kv in step.kept_kv():
             kv.impl.do_kv_cache_update(kv.layer, kv.key[src], kv.value[src], kv.kv_cache,
                                        kv.slot_mapping[dst])

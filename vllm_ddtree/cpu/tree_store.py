@@ -7,7 +7,7 @@ tree (parents and depths) until it is verified.  Pure Python + torch; no vLLM im
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -124,13 +124,23 @@ class VerifyKV:
 @dataclass
 class VerifyStep:
     """The tree verify of one step: built by the runner before the target forward,
-    completed by the attention layers, consumed by the runner's sampler."""
+    completed by the attention layers (:meth:`keep_kv`), consumed by the runner's
+    sampler (:meth:`kept_kv`)."""
 
     requests: list[VerifyRequest]
     tree: DraftTree  # [len(requests), W]: row r is requests[r]'s tree
     rows: torch.Tensor  # [num_verify_rows] every request's verify rows (root first), in order
-    # filled by the attention layers: layer name -> its verify rows' K/V
-    kv_rows: dict[str, VerifyKV] = field(default_factory=dict)
+    # layer name -> its verify rows' K/V; only through keep_kv / kept_kv
+    _kv_rows: dict[str, VerifyKV] = field(default_factory=dict, init=False, repr=False)
+
+    def keep_kv(self, layer_name: str, kv: VerifyKV) -> None:
+        """Keep target layer ``layer_name``'s K/V of the verify rows for the compaction
+        (one entry per layer: a layer run again this step replaces its own)."""
+        self._kv_rows[layer_name] = kv
+
+    def kept_kv(self) -> Iterator[VerifyKV]:
+        """The K/V kept by every target layer this step, in the order they ran."""
+        return iter(self._kv_rows.values())
 
 
 class VerifyContext:

@@ -29,7 +29,7 @@ from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm_ddtree._patch.target_model import bound_state
 from vllm_ddtree.gpu.target_binding import TargetBinding
 from vllm_ddtree.logger import init_logger
-from vllm_ddtree.support import chain_reason
+from vllm_ddtree.support import chain_reason, refuse_multimodal_rope
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -56,10 +56,7 @@ class DDTreeModelState(DefaultModelState):
     def __init__(self, vllm_config: VllmConfig, model: nn.Module,
                  encoder_cache: Any | None, device: torch.device) -> None:
         super().__init__(vllm_config, model, encoder_cache, device)
-        if self.rope_state is not None:
-            raise NotImplementedError(
-                "vllm-ddtree: targets with multimodal RoPE (M-RoPE/XD-RoPE) are not "
-                "supported yet; use method 'dflash' for this model.")
+        refuse_multimodal_rope(self.rope_state is not None)
         self.binding: TargetBinding = bound_state(model)
         # engine-wide logits processors read each row's history as linear, so every
         # request is verified as a chain
