@@ -175,26 +175,25 @@ def check_attention():
 def check_conditioned() -> list[tuple]:
     """CUDA build against the heap oracle: half-integer inputs, so every bias is exact
     whatever the summation order (``spread`` 1: ties everywhere)."""
-    import functools
-
     from vllm_ddtree.tree.conditioned import (
+        MarkovHead,
         build_conditioned_tree_torch,
         build_conditioned_tree_triton,
-        markov_bias,
     )
     from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
     rows = []
     for seed, (R, D, V, B, spread) in enumerate([(3, 5, 3000, 15, 1), (3, 6, 3000, 31, 8),
-                                                 (2, 4, 40, 63, 1), (2, 4, 3000, 80, 1)]):
+                                                 (2, 4, 40, 63, 1), (2, 4, 3000, 80, 1),
+                                                 (4, 16, 49152, 15, 8)]):
         g = torch.Generator().manual_seed(seed)
         base = torch.randint(-spread, spread + 1, (R, D, V), generator=g).float() / 2
         w1, w2 = (torch.randint(-2, 3, (V, 4), generator=g).float() / 2 for _ in range(2))
         roots = torch.randint(0, V, (R,), generator=g)
-        bias = functools.partial(markov_bias, w1.cuda(), w2.cuda())
+        head = MarkovHead(w1.cuda(), w2.cuda())
         oks = []
         for build in (build_conditioned_tree_torch, build_conditioned_tree_triton):
-            tree = build(base.cuda(), roots.cuda(), bias, B)
+            tree = build(base.cuda(), roots.cuda(), head, B)
             ok = True
             for r in range(R):
                 want = build_conditioned_tree_heap(base[r], int(roots[r]), w1, w2, B)
@@ -208,37 +207,32 @@ def check_conditioned() -> list[tuple]:
 
 
 def time_conditioned() -> list[tuple]:
-    """ms per build in a CUDA graph: DFlash tree, conditioned tree fused and written."""
-    from unittest import mock
-
-    from vllm_ddtree.tree import conditioned
-
-    def written(x, k, add=None, **kw):  # the per-depth sum materialized, then the top-k
-        if add is not None:
-            x = x.float() + add.float().unsqueeze(1)
-        return depth_candidates(x, k, **kw)
-
-    from vllm_ddtree.tree.build import depth_candidates
+    """ms per build in a CUDA graph: the DFlash tree, the conditioned tree in torch
+    (each depth's sum inside the top-k kernels, torch selection) and in Triton (each
+    depth's candidates straight from the Markov factors, Triton selection); and whether
+    the two conditioned trees agree (bf16 factors: the torch side sums them in another
+    order, so a near-tie may rank differently)."""
+    from vllm_ddtree.tree.conditioned import (
+        MarkovHead,
+        build_conditioned_tree_torch,
+        build_conditioned_tree_triton,
+    )
 
     rows = []
     D, V, B = 16, 49152, 15
     for rank in (16, 64):
-        w1 = (torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16()
-        w2 = torch.randn(V, rank, device="cuda").bfloat16()
-
-        def bias(t):  # the model's head: a bf16 GEMM, as vLLM's logits processor gives
-            return w1[t] @ w2.T
-
+        head = MarkovHead((torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16(),
+                          torch.randn(V, rank, device="cuda").bfloat16())
         for R in (1, 8, 32):
             base = (2 * torch.randn(R, D, V, device="cuda")).bfloat16()
             roots = torch.randint(0, V, (R,), device="cuda")
             dflash = _graph_ms(lambda: build_tree(base, B, inplace=True))
-            fused = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
-            with mock.patch.object(conditioned, "depth_candidates", written):
-                old = _graph_ms(lambda: conditioned.build_conditioned_tree(base, roots, bias, B))
-            select = _graph_ms(lambda: conditioned.build_conditioned_tree_triton(
-                base, roots, bias, B))
-            rows.append((rank, R, dflash, old, fused, select))
+            ref = _graph_ms(lambda: build_conditioned_tree_torch(base, roots, head, B))
+            fused = _graph_ms(lambda: build_conditioned_tree_triton(base, roots, head, B))
+            a = build_conditioned_tree_torch(base, roots, head, B)
+            b = build_conditioned_tree_triton(base, roots, head, B)
+            same = sum(torch.equal(a.token_ids[r], b.token_ids[r]) for r in range(R))
+            rows.append((rank, R, dflash, ref, fused, f"{same}/{R}"))
     return rows
 
 
@@ -260,10 +254,10 @@ def main():
         for r in exact:
             print("| " + " | ".join(str(x) for x in r) + " |")
         print("\nms per build, one CUDA graph; D = 16, V = 49152, budget 15")
-        print("| rank | R | DFlash tree | conditioned, written | conditioned, fused | fused, "
-              "Triton selection |\n|---|---|---|---|---|---|")
-        for rank, R, a, b, c, e in timing:
-            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} | {e:.3f} |")
+        print("| rank | R | DFlash tree | conditioned, torch | conditioned, Triton | same "
+              "trees |\n|---|---|---|---|---|---|")
+        for rank, R, a, b, c, same in timing:
+            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} | {same} |")
         return
     exact = check_exact()
     timing = time_core(torch.bfloat16) + time_core(torch.float32)

@@ -5,13 +5,12 @@ Inputs are multiples of 1/2 (logits) and 1/2 (Markov factors) with small rank, s
 bias is exact in float32 whatever the summation order: the oracle's per-node bias and
 the batched one are the same numbers, and any difference is the build's."""
 
-import functools
-
 import pytest
 import torch
 
 from vllm_ddtree.tree.build import build_tree_torch
 from vllm_ddtree.tree.conditioned import (
+    MarkovHead,
     build_conditioned_tree,
     build_conditioned_tree_torch,
     build_conditioned_tree_triton,
@@ -19,10 +18,15 @@ from vllm_ddtree.tree.conditioned import (
 )
 from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton selection runs
-# each depth's selection in torch, and in the Triton kernel where it can run here
-BUILDS = [build_conditioned_tree_torch, pytest.param(
-    build_conditioned_tree_triton, marks=pytest.mark.triton)]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels run
+
+
+def _builds_by_seed(seeds: int, triton_seeds: int) -> list:
+    """(seed, build) pairs: the torch build for every seed, the Triton build (its kernels
+    under Triton's interpreter on CPU, seconds a case) for the first ``triton_seeds``."""
+    return ([(s, build_conditioned_tree_torch) for s in range(seeds)]
+            + [pytest.param(s, build_conditioned_tree_triton, marks=pytest.mark.triton)
+               for s in range(triton_seeds)])
 
 
 def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: int):
@@ -34,16 +38,12 @@ def _case(seed: int, R: int, D: int, V: int, rank: int, spread: int, v_target: i
     return base, w1, w2, roots
 
 
-def _bias(w1: torch.Tensor, w2: torch.Tensor):
-    return functools.partial(markov_bias, w1, w2)
-
-
 def _run(build, base, roots, w1, w2, budget: int, draft_to_target=None):
     """``build`` on the inputs, moved to the GPU for the Triton selection where there is
     one (the oracle keeps the CPU tensors)."""
     dev = DEV if build is build_conditioned_tree_triton else "cpu"
     d2t = None if draft_to_target is None else draft_to_target.to(dev)
-    return build(base.to(dev), roots.to(dev), _bias(w1.to(dev), w2.to(dev)), budget,
+    return build(base.to(dev), roots.to(dev), MarkovHead(w1.to(dev), w2.to(dev)), budget,
                  draft_to_target=d2t)
 
 
@@ -53,11 +53,10 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
                     tree.depths[r, :n].tolist()))
 
 
-@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("D,V,budget", [(1, 7, 3), (3, 12, 7), (4, 9, 15), (5, 40, 30),
                                         (6, 5, 63), (3, 24, 1)])
 @pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("seed,build", _builds_by_seed(6, 2))
 def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
     tree = _run(build, base, roots, w1, w2, budget)
@@ -68,8 +67,7 @@ def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build
         assert (tree.token_ids[r, n:] == -1).all() and (tree.parents[r, n:] == -1).all()
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("seed,build", _builds_by_seed(4, 2))
 def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed, build):
     """A draft vocabulary of 10 ids inside a target vocabulary of 32: node tokens are
     target ids, and each child distribution is conditioned on its parent's target id."""
@@ -88,8 +86,8 @@ def test_without_markov_bias_it_is_the_dflash_tree(seed):
     """Zero Markov factors: every node's children share their depth's distribution,
     and the tree is build_tree's, field for field."""
     base, w1, w2, roots = _case(seed, 3, 5, 30, rank=2, spread=6, v_target=30)
-    got = build_conditioned_tree(base, roots, _bias(torch.zeros_like(w1), torch.zeros_like(w2)),
-                                 31)
+    zero = MarkovHead(torch.zeros_like(w1), torch.zeros_like(w2))
+    got = build_conditioned_tree(base, roots, zero, 31)
     want = build_tree_torch(base, 31)
     for field in ("token_ids", "parents", "depths", "num_nodes", "scores"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
@@ -102,8 +100,8 @@ def test_markov_head_steers_the_branches():
     V, D = 16, 4
     w1 = torch.eye(V)  # rank V: exact
     w2 = torch.roll(torch.eye(V), 1, dims=0) * 8.0  # bias(t)[t + 1] = 8
-    assert torch.equal(markov_bias(w1, w2, torch.tensor([3]))[0].argmax(), torch.tensor(4))
-    tree = build_conditioned_tree(torch.zeros(1, D, V), torch.tensor([3]), _bias(w1, w2), 8)
+    assert int(markov_bias(MarkovHead(w1, w2), torch.tensor([3]))[0].argmax()) == 4
+    tree = build_conditioned_tree(torch.zeros(1, D, V), torch.tensor([3]), MarkovHead(w1, w2), 8)
     nodes = _nodes(tree, 0)
     path, cur = [], 0
     for _ in range(D):  # follow each node's first child in best-first order
@@ -115,12 +113,12 @@ def test_markov_head_steers_the_branches():
 
 def test_budget_zero_and_shape_errors():
     base, w1, w2, roots = _case(0, 2, 3, 8, rank=2, spread=2, v_target=8)
-    empty = build_conditioned_tree(base, roots, _bias(w1, w2), 0)
+    empty = build_conditioned_tree(base, roots, MarkovHead(w1, w2), 0)
     assert empty.token_ids.shape == (2, 0) and (empty.num_nodes == 0).all()
     with pytest.raises(ValueError, match=r"\[R, D, V\]"):
-        build_conditioned_tree(base[0], roots, _bias(w1, w2), 4)
+        build_conditioned_tree(base[0], roots, MarkovHead(w1, w2), 4)
     with pytest.raises(ValueError, match="budget must be >= 0"):
-        build_conditioned_tree(base, roots, _bias(w1, w2), -1)
+        build_conditioned_tree(base, roots, MarkovHead(w1, w2), -1)
 
 
 def test_triton_build_refuses_what_one_program_cannot_sort():
@@ -132,8 +130,8 @@ def test_triton_build_refuses_what_one_program_cannot_sort():
     assert not select_children_supported(3, 30, 2000)
     with pytest.raises(ValueError, match="build_conditioned_tree_triton: needs Triton and a "
                                          "pair sort that fits one program"):
-        build_conditioned_tree_triton(base, roots, _bias(w1, w2), 2000)
-    empty = build_conditioned_tree_triton(base, roots, _bias(w1, w2), 0)  # nothing to select
+        build_conditioned_tree_triton(base, roots, MarkovHead(w1, w2), 2000)
+    empty = build_conditioned_tree_triton(base, roots, MarkovHead(w1, w2), 0)  # nothing to select
     assert empty.token_ids.shape == (2, 0)
 
 
@@ -152,8 +150,8 @@ def test_build_conditioned_tree_picks_triton_on_the_gpu_where_the_sort_fits(monk
     d2t = torch.arange(30)
     for on_gpu in (True, False):
         monkeypatch.setattr(conditioned, "use_triton", lambda t, on_gpu=on_gpu: on_gpu)
-        build_conditioned_tree(base, roots, _bias(w1, w2), 15, d2t)
-        build_conditioned_tree(base, roots, _bias(w1, w2), 2000)
+        build_conditioned_tree(base, roots, MarkovHead(w1, w2), 15, d2t)
+        build_conditioned_tree(base, roots, MarkovHead(w1, w2), 2000)
     fits = ("build_conditioned_tree_triton" if select_children_supported(3, 15, 15)
             else "build_conditioned_tree_torch")
     torch_ = "build_conditioned_tree_torch"
@@ -167,15 +165,14 @@ def _greedy_chain(base, root, w1, w2, d2t=None):
     to_target = (lambda i: i) if d2t is None else (lambda i: int(d2t[i]))
     prev, chain = root, []
     for d in range(base.shape[0]):
-        logits = base[d] + markov_bias(w1, w2, torch.tensor([prev]))[0]
+        logits = base[d] + markov_bias(MarkovHead(w1, w2), torch.tensor([prev]))[0]
         prev = to_target(int(torch.nonzero(logits == logits.max())[0]))
         chain.append(prev)
     return chain
 
 
-@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 4, 31])
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("seed,build", _builds_by_seed(6, 2))
 def test_top1_is_the_drafters_greedy_chain(seed, budget, build):
     """``top1`` (the chain fallback) follows the Markov head from the root, even where
     the tree dropped the chain's nodes (budget 1 keeps one node)."""
@@ -191,5 +188,5 @@ def test_nonfinite_flags_only_the_request_with_nan_or_inf():
     base, w1, w2, roots = _case(1, 3, 4, 12, rank=2, spread=3, v_target=12)
     base[1, 2, 5] = float("nan")
     base[2, 0, 0] = float("inf")
-    tree = build_conditioned_tree(base, roots, _bias(w1, w2), 7)
+    tree = build_conditioned_tree(base, roots, MarkovHead(w1, w2), 7)
     assert tree.nonfinite.tolist() == [False, True, True]

@@ -242,6 +242,7 @@ def test_draft_tree_builds_the_pass_budget():
     from its logits, the DSpark one with its Markov head)."""
     from vllm_ddtree.gpu.dspark_speculator import DDTreeDSparkSpeculator
     from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+    from vllm_ddtree.tree.conditioned import MarkovHead
 
     R, D, V = 3, 4, 40
     logits = torch.randn(R * D, V, generator=torch.Generator().manual_seed(0))
@@ -255,11 +256,38 @@ def test_draft_tree_builds_the_pass_budget():
                                      compute_draft_logits=lambda h: h)
         spec.input_buffers = SimpleNamespace(input_ids=torch.zeros(R * D, dtype=torch.int32))
         spec._anchor_idx = torch.arange(R) * D
-        spec._markov_bias = lambda prev: torch.zeros(prev.shape[0], V)
+        spec._markov_head = MarkovHead(torch.zeros(V, 2), torch.zeros(V, 2))
         spec._draft_to_target = None
         tree, _ = spec._draft_tree(logits, R)
         assert tree.token_ids.shape == (R, 6), cls.__name__
         assert (tree.token_ids >= 0).all()
+
+
+def test_markov_head_reads_the_drafters_factors_and_refuses_what_it_cannot():
+    """The build's Markov head: the embedding's weight, the projection's draft-vocabulary
+    rows (ParallelLMHead pads its rows) and the logits processor's scale; a recurrent or
+    quantized head, or a soft cap, is refused with the method that serves it."""
+    from vllm_ddtree.gpu.dspark_speculator import markov_head_of
+
+    w1, w2 = torch.randn(50, 4), torch.randn(64, 4)  # 40 draft tokens padded to 64
+
+    def model(**kw):
+        head = SimpleNamespace(markov_w1=SimpleNamespace(weight=kw.get("w1", w1)),
+                               markov_w2=SimpleNamespace(weight=w2))
+        processor = SimpleNamespace(scale=0.5, soft_cap=kw.get("soft_cap"),
+                                    org_vocab_size=40)
+        return SimpleNamespace(model=SimpleNamespace(markov_head=head),
+                               logits_processor=processor,
+                               has_recurrent_markov_head=kw.get("recurrent", False))
+
+    head = markov_head_of(model())
+    assert head.w1 is w1 and head.w2.shape == (40, 4) and head.scale == 0.5
+    assert head.w2.data_ptr() == w2.data_ptr()  # a view of the loaded weight
+    for bad in (dict(recurrent=True), dict(w1=torch.zeros(50, 4, dtype=torch.uint8))):
+        with pytest.raises(ValueError, match="two dense factors.*method='dspark'"):
+            markov_head_of(model(**bad))
+    with pytest.raises(ValueError, match="soft cap"):
+        markov_head_of(model(soft_cap=30.0))
 
 
 def test_dummy_sampler_run_compiles_the_choice_rule_for_the_models_logits():

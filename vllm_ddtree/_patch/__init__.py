@@ -81,7 +81,12 @@ _V2_READS = (
     *_attrs("vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator",
             "sample_from_anchor load_draft_model input_buffers"),
     *_attrs("vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM",
-            "compute_draft_logits markov_embed markov_bias draft_id_to_target_id"),
+            "compute_draft_logits draft_id_to_target_id model logits_processor"),
+    "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkModel.markov_head",
+    *_attrs("vllm.model_executor.models.qwen3_dspark:DSparkMarkovHead",
+            "markov_w1 markov_w2"),
+    *_attrs("vllm.model_executor.layers.logits_processor:LogitsProcessor",
+            "scale soft_cap org_vocab_size"),
     *_attrs("vllm.v1.worker.gpu.sample.sampler:Sampler",
             "sample apply_sampling_params sampling_states req_states compute_nans "
             "logprobs_mode get_logprobs_dims"),

@@ -25,6 +25,7 @@ from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
 from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 from vllm_ddtree.tree import DraftTree, build_conditioned_tree
+from vllm_ddtree.tree.conditioned import MarkovHead
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -46,17 +47,14 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
         self._anchor_idx = torch.arange(self.max_num_reqs, dtype=torch.int64,
                                         device=device) * self.num_query_per_req
         self._draft_to_target: torch.Tensor | None = None
+        self._markov_head: MarkovHead | None = None
 
     def load_model(self, target_model: nn.Module) -> None:
         super().load_model(target_model)
         d2t = getattr(self.model, "draft_id_to_target_id", None)
         if d2t is not None:  # reduced draft vocabulary: target id = draft id + d2t[id]
             self._draft_to_target = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-
-    def _markov_bias(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """[N] int64 target ids -> [N, V_draft]: the model's own Markov head, whole
-        (through its logits processor, as vLLM's DSpark sampler uses it)."""
-        return self.model.markov_bias(self.model.markov_embed(prev_tokens))
+        self._markov_head = markov_head_of(self.model)
 
     def _draft_tree(
         self,
@@ -68,6 +66,27 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
             hidden_states[self._sample_rows(num_reqs)]).view(num_reqs, self.max_depth, -1)
         # [num_reqs] the anchor slot's input: the request's last committed token
         roots = self.input_buffers.input_ids[self._anchor_idx[:num_reqs]].long()
-        tree = build_conditioned_tree(base_logits, roots, self._markov_bias,
+        tree = build_conditioned_tree(base_logits, roots, self._markov_head,
                                       self._pass_budget(num_reqs), self._draft_to_target)
         return tree, base_logits
+
+
+def markov_head_of(model: nn.Module) -> MarkovHead:
+    """The drafter's Markov head as the tree build reads it: the two factors (views of
+    the loaded weights, the draft vocabulary's rows of the second) and the logits
+    processor's scale.  vLLM's DSpark sampler computes the same bias as a bf16 GEMM
+    through that processor; the build sums the factors' products in float32 inside its
+    kernel.  Refuses heads the build cannot read as two dense factors."""
+    head = model.model.markov_head
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    processor = model.logits_processor
+    if getattr(model, "has_recurrent_markov_head", False) or not (
+            w1.dtype.is_floating_point and w2.dtype.is_floating_point):
+        raise ValueError("vllm-ddtree: DDTree over this DSpark drafter needs a Markov head "
+                         "of two dense factors (this one is recurrent or quantized); serve "
+                         "it with method='dspark'")
+    if processor.soft_cap is not None:
+        raise ValueError("vllm-ddtree: DDTree over DSpark drafters with a logit soft cap is "
+                         "not supported; serve it with method='dspark'")
+    # ParallelLMHead pads its rows; the processor keeps the first org_vocab_size
+    return MarkovHead(w1, w2[: processor.org_vocab_size].to(w1.dtype), float(processor.scale))

@@ -145,22 +145,28 @@ if HAS_TRITON:
         tl.store(out, res, mask=slots < K)
 
     @triton.jit
-    def _merge_kernel(KEYS, M, S, NF, VALS, IDS, LSE, BAD, SCRATCH, n_chunks,
+    def _merge_kernel(KEYS, CNT, NEED, n_need, M, S, NF, VALS, IDS, LSE, BAD, SCRATCH,
+                      n_chunks,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
                       BLOCK_N: tl.constexpr, SMALL: tl.constexpr, SORT: tl.constexpr,
-                      LOGPROBS: tl.constexpr):
+                      LOGPROBS: tl.constexpr, HAS_CNT: tl.constexpr):
         """One row: its top ``K`` of the chunks' keys, unpacked; the log-sum-exp of the
         chunk maxima and sums (``torch.logsumexp``'s formula); the non-finite flag.
 
-        Each chunk's keys are sorted, its live ones first.  With ``SORT`` and at most
-        ``SMALL`` live keys in the row, they are packed into ``SCRATCH`` (each chunk at
-        the count of the live keys before it) and sorted once; otherwise ``K``
-        max-reductions over all the row's slots select them."""
+        Each chunk's keys are sorted, its live ones first; with ``HAS_CNT`` only the
+        first ``CNT[row, chunk]`` slots of a chunk were written (the rest are not read),
+        and only the first ``NEED[row % n_need]`` of the row's top are wanted.
+        With ``SORT`` and at most ``SMALL`` live keys in the row, they are packed into
+        ``SCRATCH`` (each chunk at the count of the live keys before it) and sorted once;
+        otherwise ``K`` max-reductions over all the row's slots select them."""
         row = tl.program_id(0)
         slots = tl.arange(0, KP)
         c = tl.arange(0, BLOCK_C)
         c_ok = c < n_chunks
         ok = c_ok[:, None] & (slots < K)[None, :]
+        if HAS_CNT:
+            cnt = tl.load(CNT + row * n_chunks + c, mask=c_ok, other=0)
+            ok &= slots[None, :] < cnt[:, None]
         key = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + c[:, None] * K + slots[None, :],
                       mask=ok, other=-9223372036854775807 - 1)  # [BLOCK_C, KP]
         top = tl.full([KP], -9223372036854775807 - 1, tl.int64)
@@ -181,10 +187,16 @@ if HAS_TRITON:
             top = tl.max(tl.where(first, packed, -9223372036854775807 - 1), 0)
         else:  # over the flat slots: one reduction a key, not a 2-D tile's two
             i_flat = tl.arange(0, BLOCK_N)
-            flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat,
-                           mask=i_flat < n_chunks * K,
+            f_ok = i_flat < n_chunks * K
+            if HAS_CNT:
+                f_ok &= (i_flat % K) < tl.load(CNT + row * n_chunks + i_flat // K,
+                                               mask=f_ok, other=0)
+            flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat, mask=f_ok,
                            other=-9223372036854775807 - 1)
-            for j in range(0, K):
+            n_top = K
+            if HAS_CNT:
+                n_top = tl.minimum(tl.load(NEED + row % n_need), K)
+            for j in range(0, n_top):
                 best = tl.max(flat, 0)
                 top = tl.where(slots == j, best, top)
                 flat = tl.where(flat == best, -9223372036854775807 - 1, flat)
@@ -308,9 +320,9 @@ def topk_lse_triton(
     scratch = (torch.empty((rows, small), dtype=torch.int64, device=dev)
                if tuning.merge_small else keys)
     _merge_kernel[(rows,)](
-        keys, chunk_max, chunk_sum, chunk_bad, vals, ids, lse, nonfinite.view(torch.int8),
-        scratch, n_chunks, K=k, KP=kp, BLOCK_C=block_c,
+        keys, chunk_bad, chunk_bad, 1, chunk_max, chunk_sum, chunk_bad, vals, ids, lse,
+        nonfinite.view(torch.int8), scratch, n_chunks, K=k, KP=kp, BLOCK_C=block_c,
         BLOCK_N=next_pow2(keys.shape[1]), SMALL=small,
-        SORT=tuning.merge_small > 0, LOGPROBS=logprobs,
+        SORT=tuning.merge_small > 0, LOGPROBS=logprobs, HAS_CNT=False,
         num_warps=tuning.merge_warps)
     return (vals, ids, lse, nonfinite) if return_nonfinite else (vals, ids, lse)

@@ -18,52 +18,85 @@ The only new work is one distribution per kept parent: ``[R, B, V]`` logits per 
 (on CUDA the Markov bias is the only one written; the top-k kernel adds the depth's base
 logits as it reads it).
 
-:func:`build_conditioned_tree` picks each depth's selection in torch
-(:func:`build_conditioned_tree_torch`, the reference) or in one Triton launch
-(:func:`build_conditioned_tree_triton`) by
-:func:`~vllm_ddtree.kernels.triton_utils.use_triton`.  Oracle:
+:func:`build_conditioned_tree` runs each depth in torch
+(:func:`build_conditioned_tree_torch`, the reference) or in three Triton launches
+(:func:`build_conditioned_tree_triton`: every parent's best children and log-sum-exp
+straight from the Markov factors, :mod:`vllm_ddtree.kernels.conditioned_candidates`,
+then the selection) by :func:`~vllm_ddtree.kernels.triton_utils.use_triton`.  Oracle:
 :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from vllm_ddtree.kernels.build_tables import (
+    cached_int64_tensor,
     pack_keys,
     pair_layout,
     pair_tensors,
     unpack_scores,
     unpack_ties,
 )
+from vllm_ddtree.kernels.conditioned_candidates import (
+    BOUND_TOKENS,
+    conditioned_candidates_triton,
+)
 from vllm_ddtree.kernels.tree_build import select_children_supported, select_children_triton
 from vllm_ddtree.kernels.triton_utils import use_triton
 
 from .build import DraftTree, assemble_tree, depth_candidates
 
-# The Markov head as the build calls it: target token ids [N] int64 -> the bias on the
-# logits of the token after each, [N, V_draft].  ``markov_bias`` over the head's two
-# factors, or a model's own (tensor-parallel) head.
-MarkovBias = Callable[[torch.Tensor], torch.Tensor]
+
+class MarkovHead(NamedTuple):
+    """A DSpark drafter's low-rank Markov head: the bias on the logits of the token after
+    target token ``t`` is ``scale * w1[t] @ w2.T`` (float32 sums of the factors)."""
+
+    w1: torch.Tensor  # [V_target, r] indexed by target token id
+    w2: torch.Tensor  # [V_draft, r] (same dtype as w1)
+    scale: float = 1.0  # the drafter's logit scale
 
 
 def markov_bias(
-    markov_w1: torch.Tensor,  # [V_target, r]
-    markov_w2: torch.Tensor,  # [V_draft, r]
+    head: MarkovHead,
     prev_tokens: torch.Tensor,  # [...] int64 target token ids
 ) -> torch.Tensor:  # [..., V_draft] float32
     """The Markov head's bias on the logits of the token after each of ``prev_tokens``."""
-    emb = markov_w1[prev_tokens].float()  # [..., r]
-    return emb @ markov_w2.float().T
+    emb = head.w1[prev_tokens].float()  # [..., r]
+    bias = emb @ head.w2.float().T
+    return bias if head.scale == 1.0 else bias * head.scale
+
+
+def parent_needs(k: int, width: int, n: int) -> list[int]:
+    """How many best children each of a depth's ``n + 1`` parents can contribute: the
+    kept node at position ``i`` ``min(k, width // (i + 1))`` (:func:`pair_layout`),
+    the chain's token (column ``n``) one."""
+    return [min(k, width // (i + 1)) for i in range(n)] + [1]
+
+
+def conditioned_candidates_torch(
+    base: torch.Tensor,  # [R, V_draft] the depth's base logits
+    parents: torch.Tensor,  # [R, P] int64 target token id of each parent
+    head: MarkovHead,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`~vllm_ddtree.kernels.conditioned_candidates.
+    conditioned_candidates_triton`: each parent's ``k`` best children
+    (``logprobs [R, P, k]``, draft ids ``[R, P, k]``, ``nonfinite [R, P]``), the
+    depth's logits ``base + bias(parent)`` summed in float32 (inside the top-k kernel
+    on CUDA, never written out as ``[R, P, V]`` logits)."""
+    R, P = parents.shape
+    bias = markov_bias(head, parents.reshape(-1)).view(R, P, -1)
+    return depth_candidates(bias, k, inplace=True, with_nonfinite=True, add=base)
 
 
 def build_conditioned_tree(
     base_logits: torch.Tensor,  # [R, D, V_draft]
     root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
-    bias: MarkovBias,
+    head: MarkovHead,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
 ) -> DraftTree:
@@ -76,47 +109,48 @@ def build_conditioned_tree(
     greedy chain (each depth's best token after the chain's previous one, which the tree
     may not hold), ``nonfinite`` flags requests whose logits held NaN/inf.
 
-    Each depth's selection is :func:`build_conditioned_tree_triton`'s one launch where
+    :func:`build_conditioned_tree_triton` where
     :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and its pair sort fits one
-    program (one launch a depth in place of a run of small torch kernels;
-    ``benchmarks.core_gpu --conditioned`` compares the two: docs/benchmarks/core-gpu.md,
-    "Conditioned (DSpark) tree build"), else :func:`build_conditioned_tree_torch`'s; the same
+    program (``benchmarks.core_gpu --conditioned`` times the two: docs/benchmarks/core-gpu.md,
+    "Conditioned (DSpark) tree build"), else :func:`build_conditioned_tree_torch`; the same
     tree.
     """
     width = _width(base_logits, budget)
     D, V = base_logits.shape[1:]
     if use_triton(base_logits) and select_children_supported(D, min(width, V), width):
-        return build_conditioned_tree_triton(base_logits, root_tokens, bias, budget,
+        return build_conditioned_tree_triton(base_logits, root_tokens, head, budget,
                                              draft_to_target)
-    return build_conditioned_tree_torch(base_logits, root_tokens, bias, budget,
+    return build_conditioned_tree_torch(base_logits, root_tokens, head, budget,
                                         draft_to_target)
 
 
 def build_conditioned_tree_torch(
     base_logits: torch.Tensor,  # [R, D, V_draft]
     root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
-    bias: MarkovBias,
+    head: MarkovHead,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
 ) -> DraftTree:
     """Reference of :func:`build_conditioned_tree` (same arguments): each depth's
-    selection in torch (one ``topk`` of packed keys), on any device and any width."""
-    return _build(base_logits, root_tokens, bias, budget, draft_to_target, triton=False)
+    candidates by :func:`conditioned_candidates_torch` and its selection in torch (one
+    ``topk`` of packed keys), on any device and any width."""
+    return _build(base_logits, root_tokens, head, budget, draft_to_target, triton=False)
 
 
 def build_conditioned_tree_triton(
     base_logits: torch.Tensor,  # [R, D, V_draft]
     root_tokens: torch.Tensor,  # [R] int64 target token id at each tree's root
-    bias: MarkovBias,
+    head: MarkovHead,
     budget: int,
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64, None: same vocabulary
 ) -> DraftTree:
-    """The Triton side of :func:`build_conditioned_tree` (same arguments): each depth's
-    selection in one launch
-    (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`).  Raises
-    ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
+    """The Triton side of :func:`build_conditioned_tree` (same arguments): each depth in
+    three launches, the parents' candidates
+    (:func:`~vllm_ddtree.kernels.conditioned_candidates.conditioned_candidates_triton`)
+    and the selection (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`).
+    Raises ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
     program (:func:`~vllm_ddtree.kernels.tree_build.select_children_supported`)."""
-    return _build(base_logits, root_tokens, bias, budget, draft_to_target, triton=True)
+    return _build(base_logits, root_tokens, head, budget, draft_to_target, triton=True)
 
 
 def _width(base_logits: torch.Tensor, budget: int) -> int:
@@ -132,10 +166,10 @@ def _width(base_logits: torch.Tensor, budget: int) -> int:
 def _build(
     base_logits: torch.Tensor,  # [R, D, V_draft]
     root_tokens: torch.Tensor,  # [R] int64
-    bias: MarkovBias,
+    head: MarkovHead,
     budget: int,
     draft_to_target: torch.Tensor | None,  # [V_draft] int64
-    triton: bool,  # each depth's selection in one Triton launch, else in torch
+    triton: bool,  # each depth in three Triton launches, else in torch
 ) -> DraftTree:
     width = _width(base_logits, budget)
     R, D, V = base_logits.shape
@@ -147,21 +181,30 @@ def _build(
     def to_target(ids: torch.Tensor) -> torch.Tensor:
         return ids if draft_to_target is None else draft_to_target[ids]
 
-    def candidates(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # children of each of parents [R, n]: the logits base[d] + bias(parent), summed
-        # in float32 inside the top-k kernel on CUDA (never written out as [R, n, V])
-        n = parents.shape[1]
-        return depth_candidates(bias(parents.reshape(-1)).view(R, n, V), K, inplace=True,
-                                with_nonfinite=True, add=base_logits[:, d, :])
-
     K = min(width, V)
-    if triton and not select_children_supported(D, K, width):
-        raise ValueError(f"build_conditioned_tree_triton: needs Triton and a pair sort "
-                         f"that fits one program (depth {D}, budget {width})")
+    if triton:
+        if not select_children_supported(D, K, width):
+            raise ValueError(f"build_conditioned_tree_triton: needs Triton and a pair sort "
+                             f"that fits one program (depth {D}, budget {width})")
+        w1, w2 = head.w1, head.w2.to(head.w1.dtype)
+        # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
+        nb = min(V, max(K, BOUND_TOKENS))
+        top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
+
+    def candidates(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # children of each of parents [R, n]
+        if triton:
+            need = cached_int64_tensor(
+                (K,) if d == 0 else tuple(parent_needs(K, width, parents.shape[1] - 1)),
+                str(dev))
+            return conditioned_candidates_triton(base_logits[:, d], parents, need,
+                                                 top_ids[d], w1, w2, head.scale, K)
+        return conditioned_candidates_torch(base_logits[:, d], parents, head, K)
+
     # depth 1: one distribution per request, conditioned on the root
     lp, tok, bad = candidates(0, root_tokens.view(R, 1))  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
-    chain, nonfinite = [tokens[0][:, 0]], bad[:, 0]
+    chain, bads = [tokens[0][:, 0]], [bad]
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
     # the pair table, as the Triton kernel reads it (int32) or for torch's index math
     pi_all, pr_all = pair_tensors(D, K, width, str(dev),
@@ -173,7 +216,7 @@ def _build(
     for d in range(1, D):
         n = tokens[-1].shape[1]
         lp, tok, bad = candidates(d, parents)
-        nonfinite = nonfinite | bad.any(dim=1)
+        bads.append(bad)
         if triton:  # one launch: the same selection, and the next depth's parents
             kept_scores, ppos, kept, parents = select_children_triton(
                 scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, draft_to_target)
@@ -195,4 +238,5 @@ def _build(
         tokens.append(kept)
     per_req = torch.full((R,), width, dtype=torch.int64, device=dev)
     tree = assemble_tree(scores, parent_pos, tokens, per_req, out)
-    return dataclasses.replace(tree, top1=torch.stack(chain, dim=1), nonfinite=nonfinite)
+    return dataclasses.replace(tree, top1=torch.stack(chain, dim=1),
+                               nonfinite=torch.cat(bads, dim=1).any(dim=1))

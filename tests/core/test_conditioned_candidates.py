@@ -1,0 +1,85 @@
+"""The conditioned (DSpark) build's per-depth candidate kernel against its torch
+reference: each parent's ``need`` best children (ids and log-probabilities), and its
+non-finite flag, straight from the Markov factors.
+
+Half-integer inputs and a small rank keep every logit exact in float32 whatever the
+summation order, so any difference is the kernel's (its pruning bound, its merge)."""
+
+import pytest
+import torch
+
+from vllm_ddtree.tree.conditioned import (
+    MarkovHead,
+    conditioned_candidates_torch,
+    parent_needs,
+)
+
+pytestmark = pytest.mark.triton
+
+
+def _inputs(seed: int, R: int, P: int, V: int, spread: int, rank: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(-spread, spread + 1, (R, V), generator=g).float() / 2
+    w1 = torch.randint(-2, 3, (V, rank), generator=g).float() / 2
+    w2 = torch.randint(-2, 3, (V, rank), generator=g).float() / 2
+    parents = torch.randint(0, V, (R, P), generator=g)
+    return base, MarkovHead(w1, w2, 0.5), parents
+
+
+def _run(base, head, parents, k: int, width: int, top_ids=None, merge_sort=None):
+    from vllm_ddtree.kernels.conditioned_candidates import conditioned_candidates_triton
+
+    need = torch.tensor(parent_needs(k, width, parents.shape[1] - 1))
+    if top_ids is None:  # the depth's best base tokens, as the build passes them
+        top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :64]
+    return need, conditioned_candidates_triton(base, parents, need, top_ids.contiguous(),
+                                               head.w1, head.w2, head.scale, k, merge_sort)
+
+
+def _assert_same_needed(need, got, want):
+    """The first ``need[p]`` children of every parent and every flag equal; their
+    log-probabilities to float32 rounding (the kernel's log-sum-exp merges per-chunk
+    sums, ``torch.logsumexp`` sums the row)."""
+    for p, n in enumerate(need.tolist()):
+        assert torch.equal(got[1][:, p, :n], want[1][:, p, :n]), p
+        torch.testing.assert_close(got[0][:, p, :n], want[0][:, p, :n], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
+@pytest.mark.parametrize("merge_sort", [False, True])
+def test_candidates_match_the_reference_over_several_chunks(seed, spread, merge_sort):
+    """1100 draft tokens: three vocabulary chunks per request, 8 parents of a budget-15
+    tree (needs 15, 7, 5, 3, 3, 2, 2 and the chain's 1)."""
+    base, head, parents = _inputs(seed, 2, 8, 1100, spread)
+    need, got = _run(base, head, parents, 15, 15, merge_sort=merge_sort)
+    _assert_same_needed(need, got, conditioned_candidates_torch(base, parents, head, 15))
+
+
+def test_any_bound_tokens_give_the_same_candidates():
+    """The bound's tokens only prune: the worst base tokens (a loose bound, nearly every
+    entry kept) and the best give the same children."""
+    base, head, parents = _inputs(3, 2, 6, 700, 8)
+    worst = torch.sort(base, dim=1, stable=True).indices[:, :15]
+    need, loose = _run(base, head, parents, 15, 31, top_ids=worst)
+    _, tight = _run(base, head, parents, 15, 31)
+    want = conditioned_candidates_torch(base, parents, head, 15)
+    _assert_same_needed(need, loose, want)
+    _assert_same_needed(need, tight, want)
+
+
+def test_nonfinite_logits_are_flagged_per_parent_and_sanitized():
+    """A NaN base logit flags every parent of its request; a Markov bias that overflows
+    to inf only the parent whose embedding makes it; children ranked on the sanitized
+    logits."""
+    base, head, parents = _inputs(5, 2, 4, 300, 4)
+    base[0, 17] = float("nan")
+    head.w1[:, 0] = 0.0
+    head.w1[int(parents[1, 2]), 0] = 3e38  # times w2[40, 0] = 4: inf; elsewhere finite
+    head.w2[40, 0] = 4.0
+    need, got = _run(base, head, parents, 7, 7)
+    want = conditioned_candidates_torch(base, parents, head, 7)
+    assert got[2].tolist() == [[True] * 4, [p == int(parents[1, 2]) for p in
+                                            parents[1].tolist()]]
+    _assert_same_needed(need, got, want)

@@ -1,0 +1,183 @@
+"""One depth of the conditioned (DSpark) tree build's candidates: two launches.
+
+At depth ``d`` every parent ``p`` of request ``r`` (a kept node of depth ``d - 1``, or
+the drafter's chain token) has its own child logits ``x = base[r, d] + scale * (w1[tok_p]
+@ w2.T)`` over the draft vocabulary.  The build needs, per parent, its log-sum-exp and
+its ``need_p`` best children (``need_p = min(K, width // (p + 1))``: a parent at position
+``p`` contributes at most that many pairs; the chain's parent 1), never the ``[R, P, V]``
+logits themselves.
+
+* ``_conditioned_chunk_kernel``, one program per (request, vocabulary chunk): the
+  chunk's logits of all the request's parents as one ``[P, r] x [r, CHUNK]`` product
+  (bf16 factors on tensor cores, float32 sums), sanitized as
+  :func:`~vllm_ddtree.tree.build.sanitized_logits`; per parent the chunk's maximum, sum
+  of exponentials and non-finite flag; and the chunk's entries that can be among the
+  parent's best: ``t_p``, the ``need_p``-th largest of the parent's logits at the
+  depth's ``NB`` best base tokens, is a lower bound on the parent's ``need_p``-th
+  largest logit (``need_p`` distinct entries reach it), so only entries ``>= t_p`` are
+  kept, at most ``need_p`` a chunk, as packed keys (:mod:`.build_tables`: ties to the
+  lower id).  Each kept key costs a max-reduction over the tile, so the bound's
+  tightness is the kernel's cost: at the SmolLM2 DSpark drafter's shape (V = 49152,
+  Markov bias about half the base logits' spread, budget 15) the best parent's bound
+  over the 15 best base tokens let ~400 entries through, over the best 64 ~35
+  (:data:`BOUND_TOKENS`).
+* :mod:`.topk_lse`'s merge, one program per parent: the best ``K`` of the kept keys
+  (the first ``need_p`` exact; later slots are not read), log-probabilities, the
+  non-finite flag.
+
+The torch reference is :func:`~vllm_ddtree.tree.conditioned.conditioned_candidates_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
+
+if HAS_TRITON:
+    from vllm_ddtree.kernels.build_tables import key_score, pack_key
+    from vllm_ddtree.kernels.topk_lse import _merge_kernel
+
+# the pruning bound's tokens: the depth's this many best base tokens (the module
+# docstring gives the entries each bound lets through)
+BOUND_TOKENS = 64
+# the chunk tile holds [parents, CHUNK] float32 logits and int64 keys; this many
+# entries fit one 8-warp program's registers
+TILE = 8192
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _markov_logits(BASE, W2, emb, cols, col_ok, ro, ro_ok, w2_stride, scale, big,
+                       IEEE: tl.constexpr):
+        """``base[cols] + scale * emb @ w2[cols].T``, sanitized: [PB, C] float32; and the
+        entries that were NaN or inf."""
+        w2 = tl.load(W2 + cols[None, :].to(tl.int64) * w2_stride + ro[:, None],
+                     mask=ro_ok[:, None] & col_ok[None, :], other=0.0)  # [RP, C]
+        if IEEE:
+            dot = tl.dot(emb, w2, input_precision="ieee")
+        else:
+            dot = tl.dot(emb, w2)
+        base = tl.load(BASE + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
+        x = base[None, :] + scale * dot
+        bad = col_ok[None, :] & ((x != x) | (tl.abs(x) == float("inf")))
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.where(x == float("inf"), big, x)
+        return x, bad
+
+    @triton.jit
+    def _conditioned_chunk_kernel(
+        BASE, W1, W2, PARENTS, NEED, TOP_IDS,
+        KEYS, CNT, M, S, NF,
+        P, V, rank, n_chunks, base_stride, w1_stride, w2_stride, scale, big,
+        K: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, PB: tl.constexpr,
+        RP: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        p = tl.arange(0, PB)
+        p_ok = p < P
+        need = tl.load(NEED + p, mask=p_ok, other=0)  # [PB] ranks each parent needs
+        tok = tl.load(PARENTS + r * P + p, mask=p_ok, other=0).to(tl.int64)
+        ro = tl.arange(0, RP)
+        ro_ok = ro < rank
+        emb = tl.load(W1 + tok[:, None] * w1_stride + ro[None, :],
+                      mask=p_ok[:, None] & ro_ok[None, :], other=0.0)  # [PB, RP]
+        base = BASE + r * base_stride
+        # t: each parent's need-th largest logit (duplicates counted) over the depth's NB
+        # best base tokens; need - 1 removals of the row's largest key
+        j = tl.arange(0, NBP)
+        j_ok = j < NB
+        ids = tl.load(TOP_IDS + r * NB + j, mask=j_ok, other=0)
+        xt, _ = _markov_logits(base, W2, emb, ids, j_ok, ro, ro_ok, w2_stride, scale, big,
+                               IEEE)  # [PB, NBP]
+        kt = tl.where(j_ok[None, :], pack_key(xt, j[None, :].to(tl.int64)),
+                      -9223372036854775807 - 1)
+        for i in range(0, tl.max(need, 0) - 1):
+            top = tl.max(kt, 1)
+            drop = (kt == top[:, None]) & (i < need - 1)[:, None]
+            kt = tl.where(drop, -9223372036854775807 - 1, kt)
+        t = key_score(tl.max(kt, 1))
+        # a margin against a product summed in another order than the chunk's
+        t = t - (tl.abs(t) * 0.0009765625 + 1e-30)
+        # the chunk
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        col_ok = cols < V
+        x, bad = _markov_logits(base, W2, emb, cols, col_ok, ro, ro_ok, w2_stride, scale,
+                                big, IEEE)  # [PB, CHUNK]
+        stat = (r * P + p) * n_chunks + c
+        m = tl.max(x, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(M + stat, m, mask=p_ok)
+        tl.store(S + stat, tl.sum(tl.exp(x - m_safe[:, None]), 1), mask=p_ok)
+        tl.store(NF + stat, tl.max(bad.to(tl.int32), 1), mask=p_ok)
+        hit = col_ok[None, :] & (x >= t[:, None])
+        cnt = tl.minimum(tl.sum(hit.to(tl.int32), 1), need)  # [PB]
+        tl.store(CNT + stat, cnt, mask=p_ok)
+        key = tl.where(hit, pack_key(x, cols[None, :].to(tl.int64)),
+                       -9223372036854775807 - 1)
+        out = KEYS + stat * K
+        for i in range(0, tl.max(cnt, 0)):
+            best = tl.max(key, 1)
+            tl.store(out + i, best, mask=p_ok & (i < cnt))
+            key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)
+
+
+def conditioned_candidates_triton(
+    base: torch.Tensor,  # [R, V_draft] the depth's base logits (last dim contiguous)
+    parents: torch.Tensor,  # [R, P] int64 target token id of each parent
+    need: torch.Tensor,  # [P] int64 best children each parent needs (<= k)
+    top_ids: torch.Tensor,  # [R, NB] int64 distinct tokens, NB >= max(need): the bound's
+    w1: torch.Tensor,  # [V_target, rank] the Markov head's factors (same dtype)
+    w2: torch.Tensor,  # [V_draft, rank]
+    scale: float,
+    k: int,
+    merge_sort: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per parent its ``k`` best children: ``(logprobs [R, P, k] float32, draft ids
+    [R, P, k] int64, nonfinite [R, P] bool)``, ranked by logit descending, ties by lower
+    id; only the first ``need[p]`` of parent ``p`` are its children (later slots hold
+    anything).  ``top_ids``: the pruning bound's tokens (any distinct ids give the same
+    result; the depth's best base tokens prune the most).  ``merge_sort``: the merge by
+    one sort of a row's kept keys (default on the GPU) or by max-reductions (default
+    under Triton's interpreter, whose sort is slow); the same result.  Two launches, no
+    host sync."""
+    R, P = parents.shape
+    V = base.shape[1]
+    rank = w2.shape[1]
+    assert base.stride(1) == 1 and w1.stride(1) == 1 and w2.stride(1) == 1
+    assert w1.dtype == w2.dtype and 0 < k <= V and top_ids.is_contiguous()
+    nb = top_ids.shape[1]
+    dev = base.device
+    pb = max(16, next_pow2(P))
+    chunk = max(16, min(TILE // pb, next_pow2(V)))
+    n_chunks = triton.cdiv(V, chunk)
+    rows = R * P
+    keys = torch.empty((rows, n_chunks, k), dtype=torch.int64, device=dev)
+    cnt = torch.empty((rows, n_chunks), dtype=torch.int32, device=dev)
+    chunk_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
+    chunk_sum = torch.empty_like(chunk_max)
+    chunk_bad = torch.empty((rows, n_chunks), dtype=torch.int32, device=dev)
+    lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
+    lse = torch.empty(rows, dtype=torch.float32, device=dev)
+    bad = torch.empty(rows, dtype=torch.bool, device=dev)
+    if rows:
+        big = float(torch.finfo(torch.float32).max)
+        _conditioned_chunk_kernel[(R, n_chunks)](
+            base, w1, w2, parents, need, top_ids, keys, cnt, chunk_max, chunk_sum,
+            chunk_bad, P, V, rank, n_chunks, base.stride(0), w1.stride(0), w2.stride(0),
+            float(scale), big, K=k, NB=nb, NBP=max(16, next_pow2(nb)), PB=pb,
+            RP=max(16, next_pow2(rank)), CHUNK=chunk, IEEE=w2.dtype == torch.float32,
+            num_warps=8)
+        kp = next_pow2(k)
+        sort = base.is_cuda if merge_sort is None else merge_sort
+        small = max(128, 4 * kp)  # topk_tuning's merge_small
+        scratch = torch.empty((rows, small), dtype=torch.int64, device=dev) if sort else keys
+        _merge_kernel[(rows,)](
+            keys, cnt, need, P, chunk_max, chunk_sum, chunk_bad, lp, ids, lse,
+            bad.view(torch.int8), scratch, n_chunks, K=k, KP=kp, BLOCK_C=next_pow2(n_chunks),
+            BLOCK_N=next_pow2(n_chunks * k), SMALL=small, SORT=sort, LOGPROBS=True,
+            HAS_CNT=True, num_warps=4)
+    return lp.view(R, P, k), ids.view(R, P, k), bad.view(R, P)
