@@ -23,6 +23,8 @@
 #   units     GPU unit tests without engines (UNITS: pytest paths; default the no-sync
 #             step, the T > 0 choice rule and stop draw, the tree store), then the Qwen3-8B-shaped pair for `stepcost`
 #             written to /tmp/shaped (its first run then starts engines at once)
+#   conditioned  the conditioned (DSpark) tree build alone: CUDA against the heap
+#             oracle, ms per build in a CUDA graph (benchmarks.core_gpu --conditioned)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
 # Logs under $OUT/<stage>/, tables on stdout.  On an H100 a DDTree engine of a tiny
@@ -99,6 +101,11 @@ units)
   python3 -c "from benchmarks.shaped_models import write_pair; \
 print(write_pair('/tmp/shaped', 'qwen3-8b', 'accept_all', 'cuda'))" 2>&1 | tail -n 3
   du -sh /tmp/shaped; df -h /tmp | tail -n 1
+  ;;
+conditioned)
+  banner "the conditioned (DSpark) tree build: against the heap oracle, time per build"
+  watchdog 300 "$LOG/core.log" python3 -m benchmarks.core_gpu --conditioned --out "$LOG"
+  echo "exit $?"; tail -n 20 "$LOG/core.log"
   ;;
 stepcost)
   banner "equal-acceptance step cost at Qwen3-8B shape"
