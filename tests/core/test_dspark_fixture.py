@@ -19,7 +19,7 @@ from vllm_ddtree.testing import fixtures as fx
 from vllm_ddtree.testing.dspark_fixture import TOKEN_A, TOKEN_B, TOKEN_C, write_dspark_drafter
 from vllm_ddtree.tree import build_conditioned_tree
 from vllm_ddtree.tree.build import build_tree_torch
-from vllm_ddtree.tree.conditioned import markov_bias
+from vllm_ddtree.tree.conditioned import MarkovHead, markov_bias
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,7 +157,7 @@ def test_markov_steers_guarantee(root, dtype, vd):
     best, margin = _margin(base)
     assert (to_target(best) == TOKEN_B).all() and margin.min() >= dx.STEER_MARGIN
     # conditioned on each parent t: A after A, C after B, B after anything else
-    bias = markov_bias(w1, w2, torch.arange(fx.VOCAB))  # [V parents, V_draft]
+    bias = markov_bias(MarkovHead(w1, w2), torch.arange(fx.VOCAB))  # [V parents, V_draft]
     want = torch.full((fx.VOCAB,), TOKEN_B)
     want[TOKEN_A], want[TOKEN_B] = TOKEN_A, TOKEN_C
     for u in range(0, fx.VOCAB, 64):  # input tokens in chunks: [64, V, V_draft] logits
@@ -169,8 +169,8 @@ def test_markov_steers_guarantee(root, dtype, vd):
     D, roots = 5, torch.tensor([TOKEN_A, TOKEN_B])
     logits = torch.stack([torch.cat([base[r][None], base[fx.MASK_TOKEN_ID].expand(D - 1, -1)])
                           for r in roots.tolist()])  # [R, D, V_draft]
-    cond = build_conditioned_tree(logits, roots, functools.partial(markov_bias, w1, w2),
-                                  budget=D, draft_to_target=d2t)
+    cond = build_conditioned_tree(logits, roots, MarkovHead(w1, w2), budget=D,
+                                  draft_to_target=d2t)
     marg = build_tree_torch(logits, D)
     chain = torch.arange(D).expand(2, -1)  # node j's parent is node j - 1 (0 = root)
     A, B, C = TOKEN_A, TOKEN_B, TOKEN_C
@@ -304,12 +304,15 @@ def test_vllm_loader_consumes_every_tensor(root, vllm_groups, variant, vd):
 @pytest.mark.vllm
 @pytest.mark.parametrize(("variant", "vd"), [("random", None), ("markov_steers", 100)])
 def test_vllm_markov_head_is_the_core_bias(root, vllm_groups, variant, vd):
-    """What the DSpark tree speculator hands the tree build, read through vLLM's model:
-    ``markov_bias(markov_embed(t))`` is the core's low-rank bias over the checkpoint's
-    factors, ``[N, V_draft]`` (the head's padding rows trimmed), and with a reduced
+    """What the DSpark tree speculator hands the tree build, read from vLLM's model: the
+    Markov head's factors (``markov_head_of``: the projection's padding rows trimmed)
+    give the bias vLLM's own head gives, ``markov_bias(markov_embed(t))``, and the
+    core's bias over the checkpoint's factors, ``[N, V_draft]``; with a reduced
     vocabulary ``compute_draft_logits`` gives the draft vocabulary's logits."""
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vllm_ddtree.gpu.markov_head import markov_head_of
 
     vc, _ = _vllm_configs(root, variant, vd)
     sd = _load(write_dspark_drafter(root, variant, draft_vocab_size=vd) / "model.safetensors")
@@ -323,11 +326,15 @@ def test_vllm_markov_head_is_the_core_bias(root, vllm_groups, variant, vd):
         prev = torch.tensor([fx.TOKEN_A, fx.TOKEN_B, 0, 300, fx.VOCAB - 1])
         with torch.no_grad():
             got = model.markov_bias(model.markov_embed(prev))
+            head = markov_head_of(model)
             hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
             logits = model.compute_draft_logits(hidden) if vd else None
     w1, w2 = sd["markov_head.markov_w1.weight"], sd["markov_head.markov_w2.weight"]
     assert got.shape == (len(prev), vd or fx.VOCAB)
-    torch.testing.assert_close(got.float(), markov_bias(w1, w2, prev), rtol=1e-5, atol=1e-5)
+    want = markov_bias(MarkovHead(w1, w2), prev)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+    assert head.w2.shape == w2.shape and head.scale == 1.0
+    torch.testing.assert_close(markov_bias(head, prev), want, rtol=1e-5, atol=1e-5)
     if vd:
         assert logits.shape == (3, vd)
         torch.testing.assert_close(logits, hidden @ sd["lm_head.weight"].float().T,

@@ -132,7 +132,7 @@ def test_trainer_tiny_writes_dspark_drafter(smollm_dir, train_drafter, tmp_path,
     from transformers import AutoModelForCausalLM
 
     from vllm_ddtree.drafter import is_dspark_drafter
-    from vllm_ddtree.tree.conditioned import markov_bias
+    from vllm_ddtree.tree.conditioned import MarkovHead, markov_bias
 
     out = tmp_path / "dspark"
     assert train_drafter.main(["--out", str(out), "--device", "cpu", "--steps", "2", "--tiny",
@@ -168,8 +168,8 @@ def test_trainer_tiny_writes_dspark_drafter(smollm_dir, train_drafter, tmp_path,
         assert batch["valid"][0, 0].sum() == k
         assert batch["blk_pos"][0, :16].tolist() == list(range(a, a + 16))
         prev = torch.cat([seq[a:a + 1], lab[0, 0, :15]])
-        want = markov_bias(w["markov_head.markov_w1.weight"].float(),
-                           w["markov_head.markov_w2.weight"].float(), prev)
+        want = markov_bias(MarkovHead(w["markov_head.markov_w1.weight"].float(),
+                                      w["markov_head.markov_w2.weight"].float()), prev)
         torch.testing.assert_close(m.markov_bias(prev), want, atol=1e-5, rtol=1e-5)
         loss, hit, valid = tr.loss(batch)
     assert hit.shape == valid.shape == (1, 3, 16) and torch.isfinite(loss)

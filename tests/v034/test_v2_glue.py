@@ -267,7 +267,7 @@ def test_markov_head_reads_the_drafters_factors_and_refuses_what_it_cannot():
     """The build's Markov head: the embedding's weight, the projection's draft-vocabulary
     rows (ParallelLMHead pads its rows) and the logits processor's scale; a recurrent or
     quantized head, or a soft cap, is refused with the method that serves it."""
-    from vllm_ddtree.gpu.dspark_speculator import markov_head_of
+    from vllm_ddtree.gpu.markov_head import markov_head_of
 
     w1, w2 = torch.randn(50, 4), torch.randn(64, 4)  # 40 draft tokens padded to 64
 
