@@ -70,4 +70,3 @@ class DDTreeDSparkSpeculator(DDTreeSpeculator, DSparkSpeculator):
         tree = build_conditioned_tree(base_logits, roots, self._markov_head,
                                       self._pass_budget(num_reqs), self._draft_to_target)
         return tree, base_logits
-

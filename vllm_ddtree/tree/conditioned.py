@@ -14,9 +14,9 @@ score the float32 sum of its nodes' log-probabilities.  A path is never more pro
 than its prefix, so the set is prefix-closed and the per-depth argument of :mod:`.build`
 holds unchanged: depth ``d + 1``'s top-``B`` lies among the children of depth ``d``'s
 top-``B``, a parent at position ``i`` contributing its ``B // (i + 1)`` best children.
-The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth
-(on CUDA the Markov bias is the only one written; the top-k kernel adds the depth's base
-logits as it reads it).
+The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth,
+of which the build needs each parent's log-sum-exp and ``B // (i + 1)`` best entries
+(the Triton build never writes the logits out).
 
 :func:`build_conditioned_tree` runs each depth in torch
 (:func:`build_conditioned_tree_torch`, the reference) or in three Triton launches
@@ -113,7 +113,8 @@ def build_conditioned_tree(
     :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and its pair sort fits one
     program (``benchmarks.core_gpu --conditioned`` times the two: docs/benchmarks/core-gpu.md,
     "Conditioned (DSpark) tree build"), else :func:`build_conditioned_tree_torch`; the same
-    tree.
+    tree where the Markov products are exact in float32 (bf16 factors can round a
+    near-tie the other way: the two sum them in different orders).
     """
     width = _width(base_logits, budget)
     D, V = base_logits.shape[1:]
