@@ -56,7 +56,7 @@ def _nodes(tree, r: int) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("D,V,budget", [(1, 7, 3), (3, 12, 7), (4, 9, 15), (5, 40, 30),
                                         (6, 5, 63), (3, 24, 1)])
 @pytest.mark.parametrize("spread", [1, 8])  # 1: ties everywhere; 8: few
-@pytest.mark.parametrize("seed,build", _builds_by_seed(6, 2))
+@pytest.mark.parametrize("seed,build", _builds_by_seed(6, 1))
 def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build):
     base, w1, w2, roots = _case(seed, 3, D, V, rank=3, spread=spread, v_target=V)
     tree = _run(build, base, roots, w1, w2, budget)
