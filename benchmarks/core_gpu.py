@@ -236,6 +236,54 @@ def time_conditioned() -> list[tuple]:
     return rows
 
 
+def sweep_conditioned() -> list[tuple]:
+    """µs per depth's candidates (:func:`~vllm_ddtree.kernels.conditioned_candidates.
+    conditioned_candidates_triton`, both launches, replayed in a CUDA graph) at the SmolLM2
+    DSpark shape (16 parents of a budget-15 tree, K = 15, V = 49152, rank 16, bf16) for
+    several launch settings; and whether each gives the default's candidates."""
+    from vllm_ddtree.kernels.conditioned_candidates import (
+        BOUND_TOKENS,
+        ConditionedTuning,
+        conditioned_candidates_triton,
+    )
+    from vllm_ddtree.tree.conditioned import parent_needs
+
+    V, rank, K = 49152, 16, 15
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(V, rank, device="cuda", generator=g) / rank ** 0.5).bfloat16()
+    w2 = torch.randn(V, rank, device="cuda", generator=g).bfloat16()
+    need = torch.tensor(parent_needs(K, K, K), device="cuda")
+    settings = [None] + [ConditionedTuning(tile, warps, group, bsort, True)
+                         for tile, warps, group, bsort in [
+                             (8192, 8, 1, False), (8192, 8, 1, True), (8192, 8, 4, True),
+                             (8192, 8, 8, True), (4096, 4, 1, True), (4096, 4, 8, True),
+                             (4096, 8, 1, True), (16384, 8, 4, True)]]
+    rows = []
+    for R in (1, 8, 32):
+        base = (2 * torch.randn(R, V, device="cuda", generator=g)).bfloat16()
+        parents = torch.randint(0, V, (R, K + 1), device="cuda", generator=g)
+        top_ids = torch.topk(base.float(), BOUND_TOKENS, dim=1).indices.contiguous()
+        want = None
+        for tuning in settings:
+            def call(tuning=tuning):
+                return conditioned_candidates_triton(base, parents, need, top_ids, w1, w2,
+                                                     1.0, K, tuning)
+            try:
+                got = call()[1]
+                us = graph_us(call, 1, 200)
+            except Exception as e:  # a setting this GPU cannot launch (registers)
+                rows.append((R, str(tuning), f"failed: {type(e).__name__}", ""))
+                continue
+            want = got if want is None else want
+            same = all(torch.equal(got[:, p, :n], want[:, p, :n])
+                       for p, n in enumerate(need.tolist()))
+            rows.append((R, "default" if tuning is None else
+                         f"tile {tuning.tile}, {tuning.warps} warps, group {tuning.group}, "
+                         f"bound {'sort' if tuning.bound_sort else 'reductions'}",
+                         round(us, 1), same))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -245,10 +293,10 @@ def main():
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
     if args.conditioned:
-        exact, timing = check_conditioned(), time_conditioned()
+        exact, timing, sweep = check_conditioned(), time_conditioned(), sweep_conditioned()
         with open(os.path.join(args.out, "core_gpu_conditioned.json"), "w") as f:
-            json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing),
-                      f, indent=1)
+            json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing,
+                           sweep=sweep), f, indent=1)
         print("| R | D | V | budget | spread | equals the heap oracle: torch | triton |\n"
               "|---|---|---|---|---|---|---|")
         for r in exact:
@@ -258,6 +306,10 @@ def main():
               "trees |\n|---|---|---|---|---|---|")
         for rank, R, a, b, c, same in timing:
             print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} | {same} |")
+        print("\nµs per depth's candidates (two launches, CUDA graph), rank 16, 16 parents")
+        print("| R | settings | µs | default's candidates |\n|---|---|---|---|")
+        for row in sweep:
+            print("| " + " | ".join(str(x) for x in row) + " |")
         return
     exact = check_exact()
     timing = time_core(torch.bfloat16) + time_core(torch.float32)

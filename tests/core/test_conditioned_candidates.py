@@ -26,14 +26,14 @@ def _inputs(seed: int, R: int, P: int, V: int, spread: int, rank: int = 3):
     return base, MarkovHead(w1, w2, 0.5), parents
 
 
-def _run(base, head, parents, k: int, width: int, top_ids=None, merge_sort=None):
+def _run(base, head, parents, k: int, width: int, top_ids=None, tuning=None):
     from vllm_ddtree.kernels.conditioned_candidates import conditioned_candidates_triton
 
     need = torch.tensor(parent_needs(k, width, parents.shape[1] - 1))
     if top_ids is None:  # the depth's best base tokens, as the build passes them
         top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :64]
     return need, conditioned_candidates_triton(base, parents, need, top_ids.contiguous(),
-                                               head.w1, head.w2, head.scale, k, merge_sort)
+                                               head.w1, head.w2, head.scale, k, tuning)
 
 
 def _assert_same_needed(need, got, want):
@@ -46,13 +46,24 @@ def _assert_same_needed(need, got, want):
     assert torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("seed,spread,merge_sort", [  # spread 1: ties everywhere; 8: few
-    (0, 1, False), (1, 8, False), (0, 1, True)])  # the merge's two paths (sort: slow here)
-def test_candidates_match_the_reference_over_several_chunks(seed, spread, merge_sort):
-    """1100 draft tokens: three vocabulary chunks per request, 8 parents of a budget-15
-    tree (needs 15, 7, 5, 3, 3, 2, 2 and the chain's 1)."""
+def _tuning(tile: int = 8192, group: int = 1, sort: bool = False):
+    from vllm_ddtree.kernels.conditioned_candidates import ConditionedTuning
+
+    return ConditionedTuning(tile=tile, warps=8, group=group, bound_sort=sort,
+                             merge_sort=sort)
+
+
+# spread 1: ties everywhere; 8: few.  Five chunks in groups of two (the last group's
+# second chunk past the vocabulary); the bound's and the merge's sort (slow here) once
+@pytest.mark.parametrize("seed,spread,tile,group,sort", [
+    (0, 1, 8192, 1, False), (1, 8, 8192, 1, False), (2, 8, 4096, 2, False),
+    (0, 1, 8192, 1, True)])
+def test_candidates_match_the_reference_over_several_chunks(seed, spread, tile, group,
+                                                            sort):
+    """1100 draft tokens: three vocabulary chunks per request (five of the smaller tile),
+    8 parents of a budget-15 tree (needs 15, 7, 5, 3, 3, 2, 2 and the chain's 1)."""
     base, head, parents = _inputs(seed, 2, 8, 1100, spread)
-    need, got = _run(base, head, parents, 15, 15, merge_sort=merge_sort)
+    need, got = _run(base, head, parents, 15, 15, tuning=_tuning(tile, group, sort))
     _assert_same_needed(need, got, conditioned_candidates_torch(base, parents, head, 15))
 
 

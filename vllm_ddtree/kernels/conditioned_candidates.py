@@ -7,20 +7,22 @@ its ``need_p`` best children (``need_p = min(K, width // (p + 1))``: a parent at
 ``p`` contributes at most that many pairs; the chain's parent 1), never the ``[R, P, V]``
 logits themselves.
 
-* ``_conditioned_chunk_kernel``, one program per (request, vocabulary chunk): the
-  chunk's logits of all the request's parents as one ``[P, r] x [r, CHUNK]`` product
-  (bf16 factors on tensor cores, float32 sums), sanitized as
-  :func:`~vllm_ddtree.tree.build.sanitized_logits`; per parent the chunk's maximum, sum
-  of exponentials and non-finite flag; and the chunk's entries that can be among the
-  parent's best: ``t_p``, the ``need_p``-th largest of the parent's logits at the
-  depth's ``NB`` best base tokens, is a lower bound on the parent's ``need_p``-th
-  largest logit (``need_p`` distinct entries reach it), so only entries ``>= t_p`` are
-  kept, at most ``need_p`` a chunk, as packed keys (:mod:`.build_tables`: ties to the
-  lower id).  Each kept key costs a max-reduction over the tile, so the bound's
-  tightness is the kernel's cost: at the SmolLM2 DSpark drafter's shape (V = 49152,
-  Markov bias about half the base logits' spread, budget 15) the best parent's bound
-  over the 15 best base tokens let ~400 entries through, over the best 64 ~35
-  (:data:`BOUND_TOKENS`).
+* ``_conditioned_chunk_kernel``, one program per (request, group of vocabulary chunks):
+  the pruning bound of each of the request's parents (below), then chunk by chunk the
+  logits of all its parents as one ``[P, r] x [r, CHUNK]`` product (bf16 factors on
+  tensor cores, float32 sums), sanitized as :func:`~vllm_ddtree.tree.build.
+  sanitized_logits`; per parent the chunk's maximum, sum of exponentials and non-finite
+  flag; and the chunk's entries that can be among the parent's best: ``t_p``, the
+  ``need_p``-th largest of the parent's logits at the depth's ``NB`` best base tokens,
+  is a lower bound on the parent's ``need_p``-th largest logit (``need_p`` distinct
+  entries reach it), so only entries ``>= t_p`` are kept, at most ``need_p`` a chunk,
+  as packed keys (:mod:`.build_tables`: ties to the lower id).  Each kept entry costs
+  two reductions over the tile, so the bound's tightness is the kernel's cost: at the
+  SmolLM2 DSpark drafter's shape (V = 49152, Markov bias about half the base logits'
+  spread, budget 15) the best parent's bound over the 15 best base tokens let ~400
+  entries through, over the best 64 ~35 (:data:`BOUND_TOKENS`).  Grouping chunks
+  computes the bound once for several chunks where the requests fill the GPU
+  (:func:`conditioned_tuning`).
 * :mod:`.topk_lse`'s merge, one program per parent: the best ``K`` of the kept keys
   (the first ``need_p`` exact; later slots are not read), log-probabilities, the
   non-finite flag.
@@ -29,6 +31,8 @@ The torch reference is :func:`~vllm_ddtree.tree.conditioned.conditioned_candidat
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -41,9 +45,32 @@ if HAS_TRITON:
 # the pruning bound's tokens: the depth's this many best base tokens (the module
 # docstring gives the entries each bound lets through)
 BOUND_TOKENS = 64
-# the chunk tile holds [parents, CHUNK] float32 logits and int64 keys; this many
-# entries fit one 8-warp program's registers
-TILE = 8192
+
+
+class ConditionedTuning(NamedTuple):
+    """Launch settings of :func:`conditioned_candidates_triton`'s chunk kernel.  None
+    changes a candidate; the chunking may round a log-sum-exp differently."""
+
+    tile: int  # [parents, chunk] logits a chunk holds (a power of two)
+    warps: int  # of a chunk program
+    group: int  # chunks a program takes in turn (each program computes the bound once)
+    bound_sort: bool  # the bound by one sort of its tokens, not need - 1 reductions
+    merge_sort: bool  # the merge by one sort of a row's kept keys, not max-reductions
+
+
+def conditioned_tuning(rows: int, n_chunks: int, cuda: bool) -> ConditionedTuning:
+    """The default settings for ``rows`` requests of ``n_chunks`` chunks: programs take
+    enough chunks each that about :data:`GROUP_PROGRAMS` programs cover the grid (each
+    computes the bound once), at most :data:`MAX_GROUP`; the bound by sort on the GPU
+    and the merge by sort on the GPU (the interpreter's sort is slow)."""
+    group = max(1, min(MAX_GROUP, rows * n_chunks // GROUP_PROGRAMS))
+    return ConditionedTuning(tile=8192, warps=8, group=group, bound_sort=cuda,
+                             merge_sort=cuda)
+
+
+# programs the default grouping aims at (two per SM of a 132-SM GPU), and its cap
+GROUP_PROGRAMS = 264
+MAX_GROUP = 8
 
 
 if HAS_TRITON:
@@ -51,8 +78,8 @@ if HAS_TRITON:
     @triton.jit
     def _markov_logits(BASE, W2, emb, cols, col_ok, ro, ro_ok, w2_stride, scale, big,
                        IEEE: tl.constexpr):
-        """``base[cols] + scale * emb @ w2[cols].T``, sanitized: [PB, C] float32; and the
-        entries that were NaN or inf."""
+        """``base[cols] + scale * emb @ w2[cols].T``, sanitized: [PB, C] float32; and
+        each row's flag: one of its entries was NaN or inf."""
         w2 = tl.load(W2 + cols[None, :].to(tl.int64) * w2_stride + ro[:, None],
                      mask=ro_ok[:, None] & col_ok[None, :], other=0.0)  # [RP, C]
         if IEEE:
@@ -64,21 +91,22 @@ if HAS_TRITON:
         bad = col_ok[None, :] & ((x != x) | (tl.abs(x) == float("inf")))
         x = tl.where(x != x, float("-inf"), x)
         x = tl.where(x == float("inf"), big, x)
-        return x, bad
+        return x, tl.max(bad.to(tl.int32), 1)
 
     @triton.jit
     def _conditioned_chunk_kernel(
         BASE, W1, W2, PARENTS, NEED, TOP_IDS,
         KEYS, CNT, M, S, NF,
-        P, V, rank, n_chunks, base_stride, w1_stride, w2_stride, scale, big,
+        P, V, rank, n_chunks, group, base_stride, w1_stride, w2_stride, scale, big,
         K: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, PB: tl.constexpr,
         RP: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+        BOUND_SORT: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
+        g = tl.program_id(1)
         p = tl.arange(0, PB)
         p_ok = p < P
-        need = tl.load(NEED + p, mask=p_ok, other=0)  # [PB] ranks each parent needs
+        need = tl.load(NEED + p, mask=p_ok, other=1)  # [PB] ranks each parent needs
         tok = tl.load(PARENTS + r * P + p, mask=p_ok, other=0).to(tl.int64)
         ro = tl.arange(0, RP)
         ro_ok = ro < rank
@@ -86,7 +114,7 @@ if HAS_TRITON:
                       mask=p_ok[:, None] & ro_ok[None, :], other=0.0)  # [PB, RP]
         base = BASE + r * base_stride
         # t: each parent's need-th largest logit (duplicates counted) over the depth's NB
-        # best base tokens; need - 1 removals of the row's largest key
+        # best base tokens
         j = tl.arange(0, NBP)
         j_ok = j < NB
         ids = tl.load(TOP_IDS + r * NB + j, mask=j_ok, other=0)
@@ -94,34 +122,41 @@ if HAS_TRITON:
                                IEEE)  # [PB, NBP]
         kt = tl.where(j_ok[None, :], pack_key(xt, j[None, :].to(tl.int64)),
                       -9223372036854775807 - 1)
-        for i in range(0, tl.max(need, 0) - 1):
-            top = tl.max(kt, 1)
-            drop = (kt == top[:, None]) & (i < need - 1)[:, None]
-            kt = tl.where(drop, -9223372036854775807 - 1, kt)
+        if BOUND_SORT:
+            kt = tl.sort(kt, dim=1, descending=True)
+            kt = tl.where(j[None, :] == need[:, None] - 1, kt, -9223372036854775807 - 1)
+        else:  # need - 1 removals of the row's largest key
+            for i in range(0, tl.max(need, 0) - 1):
+                top = tl.max(kt, 1)
+                drop = (kt == top[:, None]) & (i < need - 1)[:, None]
+                kt = tl.where(drop, -9223372036854775807 - 1, kt)
         t = key_score(tl.max(kt, 1))
         # a margin against a product summed in another order than the chunk's
         t = t - (tl.abs(t) * 0.0009765625 + 1e-30)
-        # the chunk
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        col_ok = cols < V
-        x, bad = _markov_logits(base, W2, emb, cols, col_ok, ro, ro_ok, w2_stride, scale,
-                                big, IEEE)  # [PB, CHUNK]
-        stat = (r * P + p) * n_chunks + c
-        m = tl.max(x, 1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        tl.store(M + stat, m, mask=p_ok)
-        tl.store(S + stat, tl.sum(tl.exp(x - m_safe[:, None]), 1), mask=p_ok)
-        tl.store(NF + stat, tl.max(bad.to(tl.int32), 1), mask=p_ok)
-        hit = col_ok[None, :] & (x >= t[:, None])
-        cnt = tl.minimum(tl.sum(hit.to(tl.int32), 1), need)  # [PB]
-        tl.store(CNT + stat, cnt, mask=p_ok)
-        key = tl.where(hit, pack_key(x, cols[None, :].to(tl.int64)),
-                       -9223372036854775807 - 1)
-        out = KEYS + stat * K
-        for i in range(0, tl.max(cnt, 0)):
-            best = tl.max(key, 1)
-            tl.store(out + i, best, mask=p_ok & (i < cnt))
-            key = tl.where(key == best[:, None], -9223372036854775807 - 1, key)
+        for s in range(0, group):
+            c = g * group + s
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            col_ok = cols < V
+            x, bad = _markov_logits(base, W2, emb, cols, col_ok, ro, ro_ok, w2_stride,
+                                    scale, big, IEEE)  # [PB, CHUNK]
+            stat = (r * P + p) * n_chunks + c
+            st_ok = p_ok & (p * 0 + c < n_chunks)  # [PB] (a tensor: the interpreter's mask)
+            m = tl.max(x, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            tl.store(M + stat, m, mask=st_ok)
+            tl.store(S + stat, tl.sum(tl.exp(x - m_safe[:, None]), 1), mask=st_ok)
+            tl.store(NF + stat, bad, mask=st_ok)
+            hit = col_ok[None, :] & (x >= t[:, None])
+            cnt = tl.minimum(tl.sum(hit.to(tl.int32), 1), need)  # [PB]
+            tl.store(CNT + stat, cnt, mask=st_ok)
+            # the kept entries in key order (value descending, then lower id): two
+            # reductions each, on the logits (no int64 tile)
+            out = KEYS + stat * K
+            for i in range(0, tl.max(tl.where(st_ok, cnt, 0), 0)):
+                best = tl.max(tl.where(hit, x, float("-inf")), 1)  # [PB]
+                col = tl.min(tl.where(hit & (x == best[:, None]), cols[None, :], V), 1)
+                tl.store(out + i, pack_key(best, col.to(tl.int64)), mask=st_ok & (i < cnt))
+                hit &= cols[None, :] != col[:, None]
 
 
 def conditioned_candidates_triton(
@@ -133,16 +168,14 @@ def conditioned_candidates_triton(
     w2: torch.Tensor,  # [V_draft, rank]
     scale: float,
     k: int,
-    merge_sort: bool | None = None,
+    tuning: ConditionedTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per parent its ``k`` best children: ``(logprobs [R, P, k] float32, draft ids
     [R, P, k] int64, nonfinite [R, P] bool)``, ranked by logit descending, ties by lower
     id; only the first ``need[p]`` of parent ``p`` are its children (later slots hold
     anything).  ``top_ids``: the pruning bound's tokens (any distinct ids give the same
-    result; the depth's best base tokens prune the most).  ``merge_sort``: the merge by
-    one sort of a row's kept keys (default on the GPU) or by max-reductions (default
-    under Triton's interpreter, whose sort is slow); the same result.  Two launches, no
-    host sync."""
+    result; the depth's best base tokens prune the most).  ``tuning`` overrides
+    :func:`conditioned_tuning`.  Two launches, no host sync."""
     R, P = parents.shape
     V = base.shape[1]
     rank = w2.shape[1]
@@ -151,8 +184,12 @@ def conditioned_candidates_triton(
     nb = top_ids.shape[1]
     dev = base.device
     pb = max(16, next_pow2(P))
-    chunk = max(16, min(TILE // pb, next_pow2(V)))
+    if tuning is None:
+        chunk = max(16, min(8192 // pb, next_pow2(V)))
+        tuning = conditioned_tuning(R, triton.cdiv(V, chunk), base.is_cuda)
+    chunk = max(16, min(tuning.tile // pb, next_pow2(V)))
     n_chunks = triton.cdiv(V, chunk)
+    n_groups = triton.cdiv(n_chunks, tuning.group)
     rows = R * P
     keys = torch.empty((rows, n_chunks, k), dtype=torch.int64, device=dev)
     cnt = torch.empty((rows, n_chunks), dtype=torch.int32, device=dev)
@@ -165,14 +202,15 @@ def conditioned_candidates_triton(
     bad = torch.empty(rows, dtype=torch.bool, device=dev)
     if rows:
         big = float(torch.finfo(torch.float32).max)
-        _conditioned_chunk_kernel[(R, n_chunks)](
+        _conditioned_chunk_kernel[(R, n_groups)](
             base, w1, w2, parents, need, top_ids, keys, cnt, chunk_max, chunk_sum,
-            chunk_bad, P, V, rank, n_chunks, base.stride(0), w1.stride(0), w2.stride(0),
-            float(scale), big, K=k, NB=nb, NBP=max(16, next_pow2(nb)), PB=pb,
-            RP=max(16, next_pow2(rank)), CHUNK=chunk, IEEE=w2.dtype == torch.float32,
-            num_warps=8)
+            chunk_bad, P, V, rank, n_chunks, tuning.group, base.stride(0), w1.stride(0),
+            w2.stride(0), float(scale), big, K=k, NB=nb, NBP=max(16, next_pow2(nb)),
+            PB=pb, RP=max(16, next_pow2(rank)), CHUNK=chunk,
+            IEEE=w2.dtype == torch.float32, BOUND_SORT=tuning.bound_sort,
+            num_warps=tuning.warps)
         kp = next_pow2(k)
-        sort = base.is_cuda if merge_sort is None else merge_sort
+        sort = tuning.merge_sort
         small = max(128, 4 * kp)  # topk_tuning's merge_small
         scratch = torch.empty((rows, small), dtype=torch.int64, device=dev) if sort else keys
         _merge_kernel[(rows,)](
