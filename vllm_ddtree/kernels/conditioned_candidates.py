@@ -40,7 +40,7 @@ from vllm_ddtree.kernels.triton_utils import HAS_TRITON, next_pow2, tl, triton
 
 if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, pack_key
-    from vllm_ddtree.kernels.topk_lse import _merge_kernel
+    from vllm_ddtree.kernels.topk_lse import _merge_kernel, sanitize
 
 # the pruning bound's tokens: the depth's this many best base tokens (the module
 # docstring gives the entries each bound lets through)
@@ -87,10 +87,7 @@ if HAS_TRITON:
         else:
             dot = tl.dot(emb, w2)
         base = tl.load(BASE + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
-        x = base[None, :] + scale * dot
-        bad = col_ok[None, :] & ((x != x) | (tl.abs(x) == float("inf")))
-        x = tl.where(x != x, float("-inf"), x)
-        x = tl.where(x == float("inf"), big, x)
+        x, bad = sanitize(base[None, :] + scale * dot, col_ok[None, :], big)
         return x, tl.max(bad.to(tl.int32), 1)
 
     @triton.jit

@@ -58,6 +58,15 @@ def topk_lse_max_k(pruned: bool) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def sanitize(x, ok, big):
+        """float32 ``x`` with NaN -> -inf and +inf -> ``big`` (as
+        :func:`~vllm_ddtree.tree.build.sanitized_logits`), and where ``x`` held a NaN or
+        an inf among the ``ok`` entries."""
+        bad = ok & ((x != x) | (tl.abs(x) == float("inf")))
+        x = tl.where(x != x, float("-inf"), x)
+        return tl.where(x == float("inf"), big, x), bad
+
+    @triton.jit
     def _load_sanitized(X, A, row, c, stride, a_stride, a_group, V, big,
                         CHUNK: tl.constexpr, HAS_ADD: tl.constexpr):
         offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -67,9 +76,7 @@ if HAS_TRITON:
         if HAS_ADD:  # the row's shared term (float32 sum, then sanitized)
             a_row = (row // a_group).to(tl.int64)
             x += tl.load(A + a_row * a_stride + offs, mask=ok, other=0.0).to(tl.float32)
-        bad = ok & ((x != x) | (tl.abs(x) == float("inf")))  # NaN or +-inf
-        x = tl.where(x != x, float("-inf"), x)
-        x = tl.where(x == float("inf"), big, x)
+        x, bad = sanitize(x, ok, big)
         return x, offs, ok, bad
 
     @triton.jit
