@@ -58,19 +58,22 @@ class ConditionedTuning(NamedTuple):
     merge_sort: bool  # the merge by one sort of a row's kept keys, not max-reductions
 
 
+# from this many one-chunk programs (8192-entry tiles) up, programs take groups of chunks
+GROUPED_FROM = 528
+
+
 def conditioned_tuning(rows: int, n_chunks: int, cuda: bool) -> ConditionedTuning:
-    """The default settings for ``rows`` requests of ``n_chunks`` chunks: programs take
-    enough chunks each that about :data:`GROUP_PROGRAMS` programs cover the grid (each
-    computes the bound once), at most :data:`MAX_GROUP`; the bound by sort on the GPU
-    and the merge by sort on the GPU (the interpreter's sort is slow)."""
-    group = max(1, min(MAX_GROUP, rows * n_chunks // GROUP_PROGRAMS))
-    return ConditionedTuning(tile=8192, warps=8, group=group, bound_sort=cuda,
-                             merge_sort=cuda)
-
-
-# programs the default grouping aims at (two per SM of a 132-SM GPU), and its cap
-GROUP_PROGRAMS = 264
-MAX_GROUP = 8
+    """The default settings for ``rows`` requests of ``n_chunks`` chunks of 8192 entries:
+    one chunk a program on 8 warps while that grid is smaller than
+    :data:`GROUPED_FROM` (up to 5 requests at the SmolLM2 DSpark drafter's shape), else 8
+    chunks of 4096 entries a program on 4 warps (one bound per 8 chunks); the fastest
+    of a sweep at that shape (docs/benchmarks/core-gpu.md, "Conditioned (DSpark) tree
+    build").  The bound and the merge by sort on the GPU (the interpreter's sort is
+    slow)."""
+    if rows * n_chunks < GROUPED_FROM:
+        return ConditionedTuning(tile=8192, warps=8, group=1, bound_sort=cuda,
+                                 merge_sort=cuda)
+    return ConditionedTuning(tile=4096, warps=4, group=8, bound_sort=cuda, merge_sort=cuda)
 
 
 if HAS_TRITON:
