@@ -15,6 +15,7 @@ V = 49152, bf16 factors) against the DFlash tree of the same budget, built in to
 (``build_conditioned_tree_torch``) and in Triton (``build_conditioned_tree_triton``);
 and the Triton build's per-depth candidates under several launch settings
 (:class:`~vllm_ddtree.kernels.conditioned_candidates.ConditionedTuning`).
+``--conditioned --profile``: only the Triton build's device time by kernel.
 """
 
 from __future__ import annotations
@@ -284,14 +285,49 @@ def sweep_conditioned() -> list[tuple]:
     return rows
 
 
+def profile_conditioned() -> list[tuple]:
+    """Device µs per build of each kernel of the Triton conditioned build (torch profiler,
+    eager builds, so launch gaps are not counted) at rank 16, 1 and 32 requests, shape as
+    :func:`time_conditioned`: where the build's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_ddtree.tree.conditioned import MarkovHead, build_conditioned_tree_triton
+
+    D, V, B, rank, builds = 16, 49152, 15, 16, 10
+    head = MarkovHead((torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16(),
+                      torch.randn(V, rank, device="cuda").bfloat16())
+    rows = []
+    for R in (1, 32):
+        base = (2 * torch.randn(R, D, V, device="cuda")).bfloat16()
+        roots = torch.randint(0, V, (R,), device="cuda")
+        build_conditioned_tree_triton(base, roots, head, B)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(builds):
+                build_conditioned_tree_triton(base, roots, head, B)
+            torch.cuda.synchronize()
+        per_kernel = [(e.key, e.self_device_time_total / builds, e.count / builds)
+                      for e in prof.key_averages() if e.self_device_time_total > 0]
+        for name, us, n in sorted(per_kernel, key=lambda t: -t[1]):
+            rows.append((R, name[:48], round(us, 1), round(n, 1)))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--conditioned", action="store_true",
                     help="only the tree with parent-conditioned children")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --conditioned: only the Triton build's GPU time by kernel")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
+    if args.conditioned and args.profile:
+        print("| R | kernel | device µs per build | launches per build |\n|---|---|---|---|")
+        for row in profile_conditioned():
+            print("| " + " | ".join(str(x) for x in row) + " |")
+        return
     if args.conditioned:
         exact, timing, sweep = check_conditioned(), time_conditioned(), sweep_conditioned()
         with open(os.path.join(args.out, "core_gpu_conditioned.json"), "w") as f:

@@ -24,7 +24,8 @@
 #             step, the T > 0 choice rule and stop draw, the tree store), then the Qwen3-8B-shaped pair for `stepcost`
 #             written to /tmp/shaped (its first run then starts engines at once)
 #   conditioned  the conditioned (DSpark) tree build alone: CUDA against the heap
-#             oracle, ms per build in a CUDA graph (benchmarks.core_gpu --conditioned)
+#             oracle, ms per build in a CUDA graph (benchmarks.core_gpu --conditioned;
+#             CORE_ARGS=--profile: its GPU time by kernel instead)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
 #   smollm    tokens/s on the SmolLM2 pair (benchmarks.throughput: METHODS, BUDGETS,
@@ -112,7 +113,8 @@ print(write_pair('/tmp/shaped', 'qwen3-8b', 'accept_all', 'cuda'))" 2>&1 | tail 
   ;;
 conditioned)
   banner "the conditioned (DSpark) tree build: against the heap oracle, time per build"
-  watchdog 300 "$LOG/core.log" python3 -m benchmarks.core_gpu --conditioned --out "$LOG"
+  watchdog 300 "$LOG/core.log" python3 -m benchmarks.core_gpu --conditioned --out "$LOG" \
+    ${CORE_ARGS:-}
   echo "exit $?"; tail -n 20 "$LOG/core.log"
   ;;
 stepcost)
