@@ -93,3 +93,18 @@ def test_nonfinite_logits_are_flagged_per_parent_and_sanitized():
     assert got[2].tolist() == [[True] * 4, [p == int(parents[1, 2]) for p in
                                             parents[1].tolist()]]
     _assert_same_needed(need, got, want)
+
+
+def test_grouped_and_sorted_over_masked_logits():
+    """The GPU's grouped setting with both sorts: eight chunks a program over a
+    vocabulary of five (one group, its last three chunks past the end); 60% of the base
+    logits -inf, so some parents have fewer finite children than they need (bound -inf);
+    40 bound tokens, fewer than the kernel's block of them."""
+    base, head, parents = _inputs(6, 2, 8, 1100, 8)
+    g = torch.Generator().manual_seed(7)
+    base[torch.rand(base.shape, generator=g) < 0.6] = float("-inf")
+    base[1, :1090] = float("-inf")  # request 1: ten finite tokens, parent 0 needs 15
+    top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :40]
+    need, got = _run(base, head, parents, 15, 15, top_ids=top_ids,
+                     tuning=_tuning(4096, 8, True))
+    _assert_same_needed(need, got, conditioned_candidates_torch(base, parents, head, 15))

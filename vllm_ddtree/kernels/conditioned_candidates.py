@@ -62,18 +62,23 @@ class ConditionedTuning(NamedTuple):
 GROUPED_FROM = 528
 
 
-def conditioned_tuning(rows: int, n_chunks: int, cuda: bool) -> ConditionedTuning:
-    """The default settings for ``rows`` requests of ``n_chunks`` chunks of 8192 entries:
-    one chunk a program on 8 warps while that grid is smaller than
-    :data:`GROUPED_FROM` (up to 5 requests at the SmolLM2 DSpark drafter's shape), else 8
-    chunks of 4096 entries a program on 4 warps (one bound per 8 chunks); the fastest
-    of a sweep at that shape (docs/benchmarks/core-gpu.md, "Conditioned (DSpark) tree
-    build").  The bound and the merge by sort on the GPU (the interpreter's sort is
-    slow)."""
+def conditioned_tuning(rows: int, parents: int, n_chunks: int,
+                       cuda: bool) -> ConditionedTuning:
+    """The default settings for ``rows`` requests of ``parents`` parents (a power of
+    two) and ``n_chunks`` chunks of 8192 entries: one chunk a program on 8 warps while
+    that grid is smaller than :data:`GROUPED_FROM` (up to 5 requests at the SmolLM2
+    DSpark drafter's shape), else 8 chunks a program, of 4096 entries on 4 warps up to
+    16 parents (the fastest of a sweep at budget 15: docs/benchmarks/core-gpu.md,
+    "Conditioned (DSpark) tree build"), of 8192 on 8 above (unswept; halving wide trees'
+    chunks would double the merge's tile).  The bound and the merge by sort on the GPU
+    (the interpreter's sort is slow)."""
     if rows * n_chunks < GROUPED_FROM:
         return ConditionedTuning(tile=8192, warps=8, group=1, bound_sort=cuda,
                                  merge_sort=cuda)
-    return ConditionedTuning(tile=4096, warps=4, group=8, bound_sort=cuda, merge_sort=cuda)
+    if parents <= 16:
+        return ConditionedTuning(tile=4096, warps=4, group=8, bound_sort=cuda,
+                                 merge_sort=cuda)
+    return ConditionedTuning(tile=8192, warps=8, group=8, bound_sort=cuda, merge_sort=cuda)
 
 
 if HAS_TRITON:
@@ -181,12 +186,13 @@ def conditioned_candidates_triton(
     rank = w2.shape[1]
     assert base.stride(1) == 1 and w1.stride(1) == 1 and w2.stride(1) == 1
     assert w1.dtype == w2.dtype and 0 < k <= V and top_ids.is_contiguous()
+    assert top_ids.shape[1] >= k, "the bound needs need[p] <= k of its tokens"
     nb = top_ids.shape[1]
     dev = base.device
     pb = max(16, next_pow2(P))
     if tuning is None:
         chunk = max(16, min(8192 // pb, next_pow2(V)))
-        tuning = conditioned_tuning(R, triton.cdiv(V, chunk), base.is_cuda)
+        tuning = conditioned_tuning(R, pb, triton.cdiv(V, chunk), base.is_cuda)
     chunk = max(16, min(tuning.tile // pb, next_pow2(V)))
     n_chunks = triton.cdiv(V, chunk)
     n_groups = triton.cdiv(n_chunks, tuning.group)
