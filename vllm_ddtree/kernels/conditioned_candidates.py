@@ -62,17 +62,22 @@ class ConditionedTuning(NamedTuple):
 GROUPED_FROM = 528
 
 
-def conditioned_tuning(rows: int, parents: int, n_chunks: int,
-                       cuda: bool) -> ConditionedTuning:
+def _chunk(tile: int, parents: int, V: int) -> int:
+    """Vocabulary entries a chunk of ``tile`` entries holds for ``parents`` parents (a
+    power of two)."""
+    return max(16, min(tile // parents, next_pow2(V)))
+
+
+def conditioned_tuning(rows: int, parents: int, V: int, cuda: bool) -> ConditionedTuning:
     """The default settings for ``rows`` requests of ``parents`` parents (a power of
-    two) and ``n_chunks`` chunks of 8192 entries: one chunk a program on 8 warps while
-    that grid is smaller than :data:`GROUPED_FROM` (up to 5 requests at the SmolLM2
+    two) over ``V`` draft tokens: one 8192-entry chunk a program on 8 warps while that
+    grid is smaller than :data:`GROUPED_FROM` (up to 5 requests at the SmolLM2
     DSpark drafter's shape), else 8 chunks a program, of 4096 entries on 4 warps up to
     16 parents (the fastest of a sweep at budget 15: docs/benchmarks/core-gpu.md,
     "Conditioned (DSpark) tree build"), of 8192 on 8 above (unswept; halving wide trees'
     chunks would double the merge's tile).  The bound and the merge by sort on the GPU
     (the interpreter's sort is slow)."""
-    if rows * n_chunks < GROUPED_FROM:
+    if rows * -(-V // _chunk(8192, parents, V)) < GROUPED_FROM:
         return ConditionedTuning(tile=8192, warps=8, group=1, bound_sort=cuda,
                                  merge_sort=cuda)
     if parents <= 16:
@@ -190,10 +195,8 @@ def conditioned_candidates_triton(
     nb = top_ids.shape[1]
     dev = base.device
     pb = max(16, next_pow2(P))
-    if tuning is None:
-        chunk = max(16, min(8192 // pb, next_pow2(V)))
-        tuning = conditioned_tuning(R, pb, triton.cdiv(V, chunk), base.is_cuda)
-    chunk = max(16, min(tuning.tile // pb, next_pow2(V)))
+    tuning = tuning or conditioned_tuning(R, pb, V, base.is_cuda)
+    chunk = _chunk(tuning.tile, pb, V)
     n_chunks = triton.cdiv(V, chunk)
     n_groups = triton.cdiv(n_chunks, tuning.group)
     rows = R * P
@@ -216,12 +219,12 @@ def conditioned_candidates_triton(
             IEEE=w2.dtype == torch.float32, BOUND_SORT=tuning.bound_sort,
             num_warps=tuning.warps)
         kp = next_pow2(k)
-        sort = tuning.merge_sort
         small = max(128, 4 * kp)  # topk_tuning's merge_small
-        scratch = torch.empty((rows, small), dtype=torch.int64, device=dev) if sort else keys
+        scratch = (torch.empty((rows, small), dtype=torch.int64, device=dev)
+                   if tuning.merge_sort else keys)
         _merge_kernel[(rows,)](
             keys, cnt, need, P, chunk_max, chunk_sum, chunk_bad, lp, ids, lse,
             bad.view(torch.int8), scratch, n_chunks, K=k, KP=kp, BLOCK_C=next_pow2(n_chunks),
-            BLOCK_N=next_pow2(n_chunks * k), SMALL=small, SORT=sort, LOGPROBS=True,
+            BLOCK_N=next_pow2(n_chunks * k), SMALL=small, SORT=tuning.merge_sort, LOGPROBS=True,
             HAS_CNT=True, num_warps=4)
     return lp.view(R, P, k), ids.view(R, P, k), bad.view(R, P)
