@@ -175,7 +175,8 @@ def check_attention():
 
 def check_conditioned() -> list[tuple]:
     """CUDA build against the heap oracle: half-integer inputs, so every bias is exact
-    whatever the summation order (``spread`` 1: ties everywhere)."""
+    whatever the summation order (``spread`` 1: ties everywhere; ``peak``: one token per
+    depth at that logit, for deep trees)."""
     from vllm_ddtree.tree.conditioned import (
         MarkovHead,
         build_conditioned_tree_torch,
@@ -184,11 +185,14 @@ def check_conditioned() -> list[tuple]:
     from vllm_ddtree.tree.reference import build_conditioned_tree_heap
 
     rows = []
-    for seed, (R, D, V, B, spread) in enumerate([(3, 5, 3000, 15, 1), (3, 6, 3000, 31, 8),
-                                                 (2, 4, 40, 63, 1), (2, 4, 3000, 80, 1),
-                                                 (4, 16, 49152, 15, 8)]):
+    for seed, (R, D, V, B, spread, peak) in enumerate([
+            (3, 5, 3000, 15, 1, 0), (3, 6, 3000, 31, 8, 0), (2, 4, 40, 63, 1, 0),
+            (2, 4, 3000, 80, 1, 0), (4, 16, 49152, 15, 8, 0), (8, 16, 49152, 15, 4, 12),
+            (8, 16, 3000, 63, 4, 10)]):
         g = torch.Generator().manual_seed(seed)
         base = torch.randint(-spread, spread + 1, (R, D, V), generator=g).float() / 2
+        if peak:  # one likely token per depth: deep trees
+            base.scatter_(2, torch.randint(0, V, (R, D, 1), generator=g), float(peak))
         w1, w2 = (torch.randint(-2, 3, (V, 4), generator=g).float() / 2 for _ in range(2))
         roots = torch.randint(0, V, (R,), generator=g)
         head = MarkovHead(w1.cuda(), w2.cuda())
@@ -203,16 +207,30 @@ def check_conditioned() -> list[tuple]:
                                tree.depths[r, :n].tolist()))
                 ok &= got == want
             oks.append(ok)
-        rows.append((R, D, V, B, spread, *oks))
+        rows.append((R, D, V, B, spread, peak, *oks))
     return rows
+
+
+def conditioned_base(R: int, D: int, V: int, peaked: bool) -> torch.Tensor:
+    """[R, D, V] bf16 base logits on the GPU: ``2 * randn``, flat over the vocabulary
+    (best-first trees of depth 1-2: nothing deeper can beat the first depth's nodes);
+    ``peaked``: plus one token per depth at a logit drawn from U(10, 18), a trained
+    drafter's confident drafts, whose trees go deep (their live parents per depth are a
+    little more than the shipped SmolLM2 DSpark drafter's: docs/benchmarks/core-gpu.md)."""
+    base = 2 * torch.randn(R, D, V, device="cuda")
+    if peaked:
+        hot = torch.randint(0, V, (R, D, 1), device="cuda")
+        base.scatter_(2, hot, 10 + 8 * torch.rand(R, D, 1, device="cuda"))
+    return base.bfloat16()
 
 
 def time_conditioned() -> list[tuple]:
     """ms per build in a CUDA graph: the DFlash tree, the conditioned tree in torch
     (each depth's sum inside the top-k kernels, torch selection) and in Triton (each
-    depth's candidates straight from the Markov factors, Triton selection); and whether
-    the two conditioned trees agree (bf16 factors: the torch side sums them in another
-    order, so a near-tie may rank differently)."""
+    depth's candidates straight from the Markov factors, Triton selection), over flat
+    and peaked logits (:func:`conditioned_base`); and whether the two conditioned trees
+    agree (bf16 factors: the torch side sums them in another order, so a near-tie may
+    rank differently)."""
     from vllm_ddtree.tree.conditioned import (
         MarkovHead,
         build_conditioned_tree_torch,
@@ -221,11 +239,11 @@ def time_conditioned() -> list[tuple]:
 
     rows = []
     D, V, B = 16, 49152, 15
-    for rank in (16, 64):
+    for logits, rank in (("peaked", 16), ("flat", 16), ("flat", 64)):
         head = MarkovHead((torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16(),
                           torch.randn(V, rank, device="cuda").bfloat16())
         for R in (1, 8, 32):
-            base = (2 * torch.randn(R, D, V, device="cuda")).bfloat16()
+            base = conditioned_base(R, D, V, logits == "peaked")
             roots = torch.randint(0, V, (R,), device="cuda")
             dflash = _graph_ms(lambda: build_tree(base, B, inplace=True))
             ref = _graph_ms(lambda: build_conditioned_tree_torch(base, roots, head, B))
@@ -233,7 +251,9 @@ def time_conditioned() -> list[tuple]:
             a = build_conditioned_tree_torch(base, roots, head, B)
             b = build_conditioned_tree_triton(base, roots, head, B)
             same = sum(torch.equal(a.token_ids[r], b.token_ids[r]) for r in range(R))
-            rows.append((rank, R, dflash, ref, fused, f"{same}/{R}"))
+            depth = float(a.depths.max(dim=1).values.float().mean())
+            rows.append((logits, rank, R, round(depth, 1), dflash, ref, fused,
+                         f"{same}/{R}"))
     return rows
 
 
@@ -287,8 +307,8 @@ def sweep_conditioned() -> list[tuple]:
 
 def profile_conditioned() -> list[tuple]:
     """Device µs per build of each kernel of the Triton conditioned build (torch profiler,
-    eager builds, so launch gaps are not counted) at rank 16, 1 and 32 requests, shape as
-    :func:`time_conditioned`: where the build's GPU time goes."""
+    eager builds, so launch gaps are not counted) at rank 16, 1 and 32 requests, peaked
+    logits, shape as :func:`time_conditioned`: where the build's GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     from vllm_ddtree.tree.conditioned import MarkovHead, build_conditioned_tree_triton
@@ -298,7 +318,7 @@ def profile_conditioned() -> list[tuple]:
                       torch.randn(V, rank, device="cuda").bfloat16())
     rows = []
     for R in (1, 32):
-        base = (2 * torch.randn(R, D, V, device="cuda")).bfloat16()
+        base = conditioned_base(R, D, V, peaked=True)
         roots = torch.randint(0, V, (R,), device="cuda")
         build_conditioned_tree_triton(base, roots, head, B)
         torch.cuda.synchronize()
@@ -320,6 +340,8 @@ def main():
                     help="only the tree with parent-conditioned children")
     ap.add_argument("--profile", action="store_true",
                     help="with --conditioned: only the Triton build's GPU time by kernel")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="with --conditioned: without the launch-settings sweep")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}")
@@ -329,23 +351,27 @@ def main():
             print("| " + " | ".join(str(x) for x in row) + " |")
         return
     if args.conditioned:
-        exact, timing, sweep = check_conditioned(), time_conditioned(), sweep_conditioned()
+        exact, timing = check_conditioned(), time_conditioned()
+        sweep = [] if args.no_sweep else sweep_conditioned()
         with open(os.path.join(args.out, "core_gpu_conditioned.json"), "w") as f:
             json.dump(dict(device=dev, torch=torch.__version__, exact=exact, timing=timing,
                            sweep=sweep), f, indent=1)
-        print("| R | D | V | budget | spread | equals the heap oracle: torch | triton |\n"
-              "|---|---|---|---|---|---|---|")
+        print("| R | D | V | budget | spread | peak | equals the heap oracle: torch | "
+              "triton |\n|---|---|---|---|---|---|---|---|")
         for r in exact:
             print("| " + " | ".join(str(x) for x in r) + " |")
         print("\nms per build, one CUDA graph; D = 16, V = 49152, budget 15")
-        print("| rank | R | DFlash tree | conditioned, torch | conditioned, Triton | same "
-              "trees |\n|---|---|---|---|---|---|")
-        for rank, R, a, b, c, same in timing:
-            print(f"| {rank} | {R} | {a:.3f} | {b:.3f} | {c:.3f} | {same} |")
-        print("\nµs per depth's candidates (two launches, CUDA graph), rank 16, 16 parents")
-        print("| R | settings | µs | default's candidates |\n|---|---|---|---|")
-        for row in sweep:
-            print("| " + " | ".join(str(x) for x in row) + " |")
+        print("| logits | rank | R | tree depth | DFlash tree | conditioned, torch | "
+              "conditioned, Triton | same trees |\n|---|---|---|---|---|---|---|---|")
+        for logits, rank, R, depth, a, b, c, same in timing:
+            print(f"| {logits} | {rank} | {R} | {depth} | {a:.3f} | {b:.3f} | {c:.3f} "
+                  f"| {same} |")
+        if sweep:
+            print("\nµs per depth's candidates (two launches, CUDA graph), rank 16, 16 "
+                  "parents")
+            print("| R | settings | µs | default's candidates |\n|---|---|---|---|")
+            for row in sweep:
+                print("| " + " | ".join(str(x) for x in row) + " |")
         return
     exact = check_exact()
     timing = time_core(torch.bfloat16) + time_core(torch.float32)

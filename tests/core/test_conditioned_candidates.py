@@ -108,3 +108,42 @@ def test_grouped_and_sorted_over_masked_logits():
     need, got = _run(base, head, parents, 15, 15, top_ids=top_ids,
                      tuning=_tuning(4096, 8, True))
     _assert_same_needed(need, got, conditioned_candidates_torch(base, parents, head, 15))
+
+
+@pytest.mark.parametrize("tile,group", [(8192, 1), (4096, 2)])
+def test_only_parents_at_or_above_the_threshold_get_children(tile, group):
+    """With parent scores and a threshold per request: parents scoring at least the
+    threshold, and the chain's parent (the last), get the reference's children and
+    flags; the others -inf log-probabilities and no flag, even where their bias is not
+    finite.  Request 1 has no parent at the threshold: its chunks do the chain's row
+    alone, which still flags a NaN base logit."""
+    from vllm_ddtree.kernels.conditioned_candidates import conditioned_candidates_triton
+
+    base, head, parents = _inputs(8, 3, 6, 900, 8)
+    base[1, 33] = float("nan")
+    head.w1[:, 0] = 0.0
+    head.w1[int(parents[0, 3]), 0] = 3e38  # an inf bias in a parent below the threshold
+    head.w2[40, 0] = 4.0
+    scores = torch.tensor([[-1.0, -2.0, -2.5, -3.0, -4.0],
+                           [-5.0, -6.0, -6.5, -7.0, -8.0],
+                           [-1.0, -1.5, -2.0, -2.5, -3.0]])
+    theta = torch.tensor([-2.5, -4.0, float("-inf")])
+    need = torch.tensor(parent_needs(9, 15, 5))
+    top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :64]
+    lp, ids, bad = conditioned_candidates_triton(
+        base, parents, need, top_ids.contiguous(), head.w1, head.w2, head.scale, 9,
+        _tuning(tile, group), parent_scores=scores, theta=theta)
+    want = conditioned_candidates_torch(base, parents, head, 9)
+    use = torch.cat([scores >= theta[:, None], torch.ones(3, 1, dtype=torch.bool)], 1)
+    assert use.tolist() == [[True, True, True, False, False, True],
+                            [False] * 5 + [True], [True] * 6]
+    for r in range(3):
+        for p, n in enumerate(need.tolist()):
+            if use[r, p]:
+                assert torch.equal(ids[r, p, :n], want[1][r, p, :n]), (r, p)
+                torch.testing.assert_close(lp[r, p, :n], want[0][r, p, :n], rtol=1e-6,
+                                           atol=1e-6)
+            else:
+                assert (lp[r, p] == float("-inf")).all(), (r, p)
+    assert want[2][0, 3] and want[2][1].all()
+    assert torch.equal(bad, want[2] & use)

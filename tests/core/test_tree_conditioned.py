@@ -67,6 +67,22 @@ def test_conditioned_build_matches_heap_oracle(seed, D, V, budget, spread, build
         assert (tree.token_ids[r, n:] == -1).all() and (tree.parents[r, n:] == -1).all()
 
 
+@pytest.mark.parametrize("budget", [4, 7, 15])
+@pytest.mark.parametrize("seed,build", _builds_by_seed(4, 4))
+def test_deep_trees_match_the_heap_oracle(seed, budget, build):
+    """Peaked distributions (one likely token per depth, as a trained drafter's): deep,
+    narrow trees, where the Triton build skips the parents that cannot have descendants
+    in the tree and requests with none left do only the chain's row."""
+    base, w1, w2, roots = _case(seed, 3, 6, 24, rank=2, spread=2, v_target=24)
+    hot = torch.randint(0, 24, (3, 6), generator=torch.Generator().manual_seed(seed))
+    base.scatter_(2, hot[..., None], 6.0)
+    tree = _run(build, base, roots, w1, w2, budget)
+    for r in range(3):
+        assert _nodes(tree, r) == build_conditioned_tree_heap(base[r], int(roots[r]), w1,
+                                                              w2, budget)
+        assert tree.top1[r].tolist() == _greedy_chain(base[r], int(roots[r]), w1, w2)
+
+
 @pytest.mark.parametrize("seed,build", _builds_by_seed(4, 2))
 def test_reduced_draft_vocabulary_maps_tokens_and_conditions_on_target_ids(seed, build):
     """A draft vocabulary of 10 ids inside a target vocabulary of 32: node tokens are

@@ -22,7 +22,10 @@ logits themselves.
   spread, budget 15) the best parent's bound over the 15 best base tokens let ~400
   entries through, over the best 64 ~35 (:data:`BOUND_TOKENS`).  Grouping chunks
   computes the bound once for several chunks where the requests fill the GPU
-  (:func:`conditioned_tuning`).
+  (:func:`conditioned_tuning`).  Given the parents' scores and a threshold per request
+  (from the third depth on), a parent below the threshold cannot have descendants in
+  the tree: its chunks keep no entry and raise no flag, and a request with no parent
+  left does one row's work, its chain's (``_chain_chunks``).
 * :mod:`.topk_lse`'s merge, one program per parent: the best ``K`` of the kept keys
   (the first ``need_p`` exact; later slots are not read), log-probabilities, the
   non-finite flag.
@@ -89,28 +92,63 @@ def conditioned_tuning(rows: int, parents: int, V: int, cuda: bool) -> Condition
 if HAS_TRITON:
 
     @triton.jit
+    def _markov_dot(W2, emb, cols, col_ok, ro, ro_ok, w2_stride, IEEE: tl.constexpr):
+        """``emb @ w2[cols].T``: [PB, C] float32 (each row's sums independent of the
+        others', so a row alone gives the same numbers)."""
+        w2 = tl.load(W2 + cols[None, :].to(tl.int64) * w2_stride + ro[:, None],
+                     mask=ro_ok[:, None] & col_ok[None, :], other=0.0)  # [RP, C]
+        if IEEE:
+            return tl.dot(emb, w2, input_precision="ieee")
+        return tl.dot(emb, w2)
+
+    @triton.jit
     def _markov_logits(BASE, W2, emb, cols, col_ok, ro, ro_ok, w2_stride, scale, big,
                        IEEE: tl.constexpr):
         """``base[cols] + scale * emb @ w2[cols].T``, sanitized: [PB, C] float32; and
         each row's flag: one of its entries was NaN or inf."""
-        w2 = tl.load(W2 + cols[None, :].to(tl.int64) * w2_stride + ro[:, None],
-                     mask=ro_ok[:, None] & col_ok[None, :], other=0.0)  # [RP, C]
-        if IEEE:
-            dot = tl.dot(emb, w2, input_precision="ieee")
-        else:
-            dot = tl.dot(emb, w2)
+        dot = _markov_dot(W2, emb, cols, col_ok, ro, ro_ok, w2_stride, IEEE)
         base = tl.load(BASE + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
         x, bad = sanitize(base[None, :] + scale * dot, col_ok[None, :], big)
         return x, tl.max(bad.to(tl.int32), 1)
 
     @triton.jit
+    def _chain_chunks(BASE, W2, emb, KEYS, CNT, M, S, NF, r, g, group, p, p_ok, P, V,
+                      n_chunks, ro, ro_ok, w2_stride, scale, big, K: tl.constexpr,
+                      CHUNK: tl.constexpr, IEEE: tl.constexpr):
+        """A request none of whose kept nodes can reach the tree: only the chain's
+        parent (row ``P - 1``), one row's work; per chunk its maximum, sum, flag and
+        best entry; the other rows' chunks are empty (no entry, no flag)."""
+        chain = p == P - 1
+        emb = tl.where(chain[:, None], emb, tl.zeros_like(emb))  # its row alone: same sums
+        for s in range(0, group):
+            c = g * group + s
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            col_ok = cols < V
+            dot = tl.sum(_markov_dot(W2, emb, cols, col_ok, ro, ro_ok, w2_stride, IEEE), 0)
+            base = tl.load(BASE + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
+            x, bad = sanitize(base + scale * dot, col_ok, big)  # [CHUNK]
+            m = tl.max(x, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            col = tl.min(tl.where(col_ok & (x == m), cols, V), 0)
+            stat = (r * P + p) * n_chunks + c
+            st_ok = p_ok & (p * 0 + c < n_chunks)
+            tl.store(M + stat, tl.where(chain, m, float("-inf")), mask=st_ok)
+            tl.store(S + stat, tl.where(chain, tl.sum(tl.exp(x - m_safe), 0), 0.0),
+                     mask=st_ok)
+            tl.store(NF + stat, tl.where(chain, tl.max(bad.to(tl.int32), 0), 0), mask=st_ok)
+            tl.store(CNT + stat, chain.to(tl.int32), mask=st_ok)
+            tl.store(KEYS + stat * K, pack_key(p * 0.0 + m, p * 0 + col.to(tl.int64)),
+                     mask=st_ok & chain)
+
+    @triton.jit
     def _conditioned_chunk_kernel(
-        BASE, W1, W2, PARENTS, NEED, TOP_IDS,
+        BASE, W1, W2, PARENTS, NEED, TOP_IDS, PSCORE, THETA,
         KEYS, CNT, M, S, NF,
-        P, V, rank, n_chunks, group, base_stride, w1_stride, w2_stride, scale, big,
+        P, V, rank, n_chunks, group, base_stride, w1_stride, w2_stride, ps_stride, scale,
+        big,
         K: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, PB: tl.constexpr,
         RP: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
-        BOUND_SORT: tl.constexpr,
+        BOUND_SORT: tl.constexpr, PRUNE: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
@@ -123,50 +161,64 @@ if HAS_TRITON:
         emb = tl.load(W1 + tok[:, None] * w1_stride + ro[None, :],
                       mask=p_ok[:, None] & ro_ok[None, :], other=0.0)  # [PB, RP]
         base = BASE + r * base_stride
-        # t: each parent's need-th largest logit (duplicates counted) over the depth's NB
-        # best base tokens
-        j = tl.arange(0, NBP)
-        j_ok = j < NB
-        ids = tl.load(TOP_IDS + r * NB + j, mask=j_ok, other=0)
-        xt, _ = _markov_logits(base, W2, emb, ids, j_ok, ro, ro_ok, w2_stride, scale, big,
-                               IEEE)  # [PB, NBP]
-        kt = tl.where(j_ok[None, :], pack_key(xt, j[None, :].to(tl.int64)),
-                      -9223372036854775807 - 1)
-        if BOUND_SORT:
-            kt = tl.sort(kt, dim=1, descending=True)
-            kt = tl.where(j[None, :] == need[:, None] - 1, kt, -9223372036854775807 - 1)
-        else:  # need - 1 removals of the row's largest key
-            for i in range(0, tl.max(need, 0) - 1):
-                top = tl.max(kt, 1)
-                drop = (kt == top[:, None]) & (i < need - 1)[:, None]
-                kt = tl.where(drop, -9223372036854775807 - 1, kt)
-        t = key_score(tl.max(kt, 1))
-        # a margin against a product summed in another order than the chunk's
-        t = t - (tl.abs(t) * 0.0009765625 + 1e-30)
-        for s in range(0, group):
-            c = g * group + s
-            cols = c * CHUNK + tl.arange(0, CHUNK)
-            col_ok = cols < V
-            x, bad = _markov_logits(base, W2, emb, cols, col_ok, ro, ro_ok, w2_stride,
-                                    scale, big, IEEE)  # [PB, CHUNK]
-            stat = (r * P + p) * n_chunks + c
-            st_ok = p_ok & (p * 0 + c < n_chunks)  # [PB] (a tensor: the interpreter's mask)
-            m = tl.max(x, 1)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            tl.store(M + stat, m, mask=st_ok)
-            tl.store(S + stat, tl.sum(tl.exp(x - m_safe[:, None]), 1), mask=st_ok)
-            tl.store(NF + stat, bad, mask=st_ok)
-            hit = col_ok[None, :] & (x >= t[:, None])
-            cnt = tl.minimum(tl.sum(hit.to(tl.int32), 1), need)  # [PB]
-            tl.store(CNT + stat, cnt, mask=st_ok)
-            # the kept entries in key order (value descending, then lower id): two
-            # reductions each, on the logits (no int64 tile)
-            out = KEYS + stat * K
-            for i in range(0, tl.max(tl.where(st_ok, cnt, 0), 0)):
-                best = tl.max(tl.where(hit, x, float("-inf")), 1)  # [PB]
-                col = tl.min(tl.where(hit & (x == best[:, None]), cols[None, :], V), 1)
-                tl.store(out + i, pack_key(best, col.to(tl.int64)), mask=st_ok & (i < cnt))
-                hit &= cols[None, :] != col[:, None]
+        # rows whose children are wanted: the chain's parent (row P - 1), and with PRUNE
+        # the kept nodes whose score reaches the request's threshold
+        use = p_ok
+        n_live = 1
+        if PRUNE:
+            ps = tl.load(PSCORE + r * ps_stride + p, mask=p < P - 1, other=float("-inf"))
+            live = (p < P - 1) & (ps >= tl.load(THETA + r))
+            use = live | (p == P - 1)
+            n_live = tl.sum(live.to(tl.int32), 0)
+        if n_live == 0:
+            _chain_chunks(base, W2, emb, KEYS, CNT, M, S, NF, r, g, group, p, p_ok, P, V,
+                          n_chunks, ro, ro_ok, w2_stride, scale, big, K, CHUNK, IEEE)
+        else:
+            # t: each parent's need-th largest logit (duplicates counted) over the
+            # depth's NB best base tokens
+            j = tl.arange(0, NBP)
+            j_ok = j < NB
+            ids = tl.load(TOP_IDS + r * NB + j, mask=j_ok, other=0)
+            xt, _ = _markov_logits(base, W2, emb, ids, j_ok, ro, ro_ok, w2_stride, scale,
+                                   big, IEEE)  # [PB, NBP]
+            kt = tl.where(j_ok[None, :], pack_key(xt, j[None, :].to(tl.int64)),
+                          -9223372036854775807 - 1)
+            if BOUND_SORT:
+                kt = tl.sort(kt, dim=1, descending=True)
+                kt = tl.where(j[None, :] == need[:, None] - 1, kt, -9223372036854775807 - 1)
+            else:  # need - 1 removals of the row's largest key
+                for i in range(0, tl.max(need, 0) - 1):
+                    top = tl.max(kt, 1)
+                    drop = (kt == top[:, None]) & (i < need - 1)[:, None]
+                    kt = tl.where(drop, -9223372036854775807 - 1, kt)
+            t = key_score(tl.max(kt, 1))
+            # a margin against a product summed in another order than the chunk's
+            t = t - (tl.abs(t) * 0.0009765625 + 1e-30)
+            for s in range(0, group):
+                c = g * group + s
+                cols = c * CHUNK + tl.arange(0, CHUNK)
+                col_ok = cols < V
+                x, bad = _markov_logits(base, W2, emb, cols, col_ok, ro, ro_ok, w2_stride,
+                                        scale, big, IEEE)  # [PB, CHUNK]
+                stat = (r * P + p) * n_chunks + c
+                st_ok = p_ok & (p * 0 + c < n_chunks)  # [PB] (a tensor: the interpreter's mask)
+                m = tl.max(x, 1)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                tl.store(M + stat, m, mask=st_ok)
+                tl.store(S + stat, tl.sum(tl.exp(x - m_safe[:, None]), 1), mask=st_ok)
+                tl.store(NF + stat, tl.where(use, bad, 0), mask=st_ok)
+                hit = col_ok[None, :] & (x >= t[:, None]) & use[:, None]
+                cnt = tl.minimum(tl.sum(hit.to(tl.int32), 1), need)  # [PB]
+                tl.store(CNT + stat, cnt, mask=st_ok)
+                # the kept entries in key order (value descending, then lower id): two
+                # reductions each, on the logits (no int64 tile)
+                out = KEYS + stat * K
+                for i in range(0, tl.max(tl.where(st_ok, cnt, 0), 0)):
+                    best = tl.max(tl.where(hit, x, float("-inf")), 1)  # [PB]
+                    col = tl.min(tl.where(hit & (x == best[:, None]), cols[None, :], V), 1)
+                    tl.store(out + i, pack_key(best, col.to(tl.int64)),
+                             mask=st_ok & (i < cnt))
+                    hit &= cols[None, :] != col[:, None]
 
 
 def conditioned_candidates_triton(
@@ -179,19 +231,30 @@ def conditioned_candidates_triton(
     scale: float,
     k: int,
     tuning: ConditionedTuning | None = None,
+    parent_scores: torch.Tensor | None = None,  # [R, P - 1] float32 (last dim contiguous)
+    theta: torch.Tensor | None = None,  # [R] float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per parent its ``k`` best children: ``(logprobs [R, P, k] float32, draft ids
     [R, P, k] int64, nonfinite [R, P] bool)``, ranked by logit descending, ties by lower
     id; only the first ``need[p]`` of parent ``p`` are its children (later slots hold
     anything).  ``top_ids``: the pruning bound's tokens (any distinct ids give the same
     result; the depth's best base tokens prune the most).  ``tuning`` overrides
-    :func:`conditioned_tuning`.  Two launches, no host sync."""
+    :func:`conditioned_tuning`.  Two launches, no host sync.
+
+    With ``parent_scores`` and ``theta``: parent ``p < P - 1`` is a tree node of that
+    score, and only those scoring at least ``theta`` of their request (nodes that can
+    still be in the tree, see :mod:`vllm_ddtree.tree.conditioned`) and the last parent
+    (the chain's) get their children and flag; the others get ``-inf`` log-probabilities
+    and no flag, and a request with none of the former does only the chain's row."""
     R, P = parents.shape
     V = base.shape[1]
     rank = w2.shape[1]
     assert base.stride(1) == 1 and w1.stride(1) == 1 and w2.stride(1) == 1
     assert w1.dtype == w2.dtype and 0 < k <= V and top_ids.is_contiguous()
     assert top_ids.shape[1] >= k, "the bound needs need[p] <= k of its tokens"
+    prune = parent_scores is not None
+    assert prune == (theta is not None)
+    assert not prune or (parent_scores.shape == (R, P - 1) and parent_scores.stride(1) == 1)
     nb = top_ids.shape[1]
     dev = base.device
     pb = max(16, next_pow2(P))
@@ -212,11 +275,12 @@ def conditioned_candidates_triton(
     if rows:
         big = float(torch.finfo(torch.float32).max)
         _conditioned_chunk_kernel[(R, n_groups)](
-            base, w1, w2, parents, need, top_ids, keys, cnt, chunk_max, chunk_sum,
-            chunk_bad, P, V, rank, n_chunks, tuning.group, base.stride(0), w1.stride(0),
-            w2.stride(0), float(scale), big, K=k, NB=nb, NBP=max(16, next_pow2(nb)),
-            PB=pb, RP=max(16, next_pow2(rank)), CHUNK=chunk,
-            IEEE=w2.dtype == torch.float32, BOUND_SORT=tuning.bound_sort,
+            base, w1, w2, parents, need, top_ids, parent_scores if prune else base,
+            theta if prune else base, keys, cnt, chunk_max, chunk_sum, chunk_bad, P, V,
+            rank, n_chunks, tuning.group, base.stride(0), w1.stride(0), w2.stride(0),
+            parent_scores.stride(0) if prune else 0, float(scale), big, K=k, NB=nb,
+            NBP=max(16, next_pow2(nb)), PB=pb, RP=max(16, next_pow2(rank)), CHUNK=chunk,
+            IEEE=w2.dtype == torch.float32, BOUND_SORT=tuning.bound_sort, PRUNE=prune,
             num_warps=tuning.warps)
         kp = next_pow2(k)
         small = max(128, 4 * kp)  # topk_tuning's merge_small

@@ -103,9 +103,9 @@ if HAS_TRITON:
     @triton.jit
     def _select_children_kernel(
         PREV, LP, TOK, D2T, PI, PR,
-        OUT_SCORE, OUT_POS, OUT_TOK, PARENTS,
-        npair, n, s_prev, K: tl.constexpr, WN: tl.constexpr, P2: tl.constexpr,
-        HAS_MAP: tl.constexpr,
+        OUT_SCORE, OUT_POS, OUT_TOK, PARENTS, BEST, THETA,
+        npair, n, s_prev, width, v_draft, K: tl.constexpr, WN: tl.constexpr,
+        P2: tl.constexpr, WB: tl.constexpr, HAS_MAP: tl.constexpr, FIRST: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         po = tl.arange(0, P2)
@@ -122,6 +122,9 @@ if HAS_TRITON:
         code = 4294967295 - (key & 4294967295)
         ppos = code // K
         t = tl.load(tok + ppos * K + code % K, mask=sel, other=0)
+        # a child slot its parent did not fill (no id: a pruned parent, or fewer finite
+        # logits than children) holds no token; such a node scores -inf
+        t = tl.where((t >= 0) & (t < v_draft), t, 0)
         c = tl.load(tok + n * K)  # the chain's parent (column n): its best child
         if HAS_MAP:
             t = tl.load(D2T + t, mask=sel, other=0)
@@ -132,6 +135,23 @@ if HAS_TRITON:
         tl.store(OUT_TOK + out, t, mask=sel)
         tl.store(PARENTS + r * (WN + 1) + po, t, mask=sel)
         tl.store(PARENTS + r * (WN + 1) + WN, c)
+        # the best `width` scores of the nodes so far (depth 1's, PREV, the first time)
+        # and THETA, the (width - 1)-th of them: a descendant of a node is beaten by that
+        # node (a score no higher, a greater depth), so only nodes among the best
+        # width - 1 so far can have descendants in the tree, and none scores below THETA
+        tl.debug_barrier()
+        i = tl.arange(0, 2 * WB)
+        if FIRST:
+            old = tl.load(PREV + r * s_prev + i, mask=i < n, other=float("-inf"))
+        else:
+            old = tl.load(BEST + r * WB + i, mask=i < WB, other=float("-inf"))
+        new = tl.load(OUT_SCORE + r * WN + (i - WB), mask=(i >= WB) & (i < WB + WN),
+                      other=float("-inf"))
+        both = tl.where(i < WB, old, new)
+        both = tl.sort(tl.where(both != both, float("-inf"), both), descending=True)
+        tl.store(BEST + r * WB + i, both, mask=i < WB)
+        theta = tl.max(tl.where(i == width - 2, both, float("-inf")), 0)
+        tl.store(THETA + r, tl.where(width > 1, theta, float("inf")))
 
 
 def select_children_supported(max_depth: int, k: int, width: int) -> bool:
@@ -148,16 +168,25 @@ def select_children_triton(
     pair_rank: torch.Tensor,  # [P] int32 ... and token ranks (pair_tensors)
     num_pairs: int,  # pairs whose parent lies inside depth d - 1's set
     width: int,
+    best: torch.Tensor,  # [R, next_pow2(width)] float32 the best scores so far (updated)
+    theta: torch.Tensor,  # [R] float32 written: the (width - 1)-th best score so far
+    first: bool,  # depth 2: ``best`` starts from ``prev_scores`` (depth 1's nodes)
+    v_draft: int,  # the draft vocabulary's size
     draft_to_target: torch.Tensor | None = None,  # [V_draft] int64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One depth of the conditioned build: the best ``min(width, num_pairs)`` of the
     (parent, rank) pairs by (score of the prefix, then pair order), as
     ``build_conditioned_tree_torch`` selects them (same packed keys).  Returns
-    ``(scores, parent_pos, tokens)``, each ``[R, n']`` (tokens as target ids), and the
-    next depth's parents ``[R, n' + 1]``: those tokens, then the chain's next token
-    (``token_ids[:, n, 0]``)."""
+    ``(scores, parent_pos, tokens)``, each ``[R, n']`` (tokens as target ids; token 0
+    where a parent left the slot empty, at score -inf), and the next depth's parents
+    ``[R, n' + 1]``: those tokens, then the chain's next token (``token_ids[:, n, 0]``).
+    Also folds the depth's scores into ``best`` and writes ``theta``, the threshold of
+    the next depth's candidates (:func:`~vllm_ddtree.kernels.conditioned_candidates.
+    conditioned_candidates_triton`)."""
     R, n1, K = logprobs.shape
     n, wn = n1 - 1, min(width, num_pairs)
+    wb = next_pow2(width)
+    assert best.shape == (R, wb) and best.is_contiguous() and theta.shape == (R,)
     dev = logprobs.device
     scores = torch.empty((R, wn), dtype=torch.float32, device=dev)
     pos = torch.empty((R, wn), dtype=torch.int64, device=dev)
@@ -168,9 +197,9 @@ def select_children_triton(
         _select_children_kernel[(R,)](
             prev_scores, logprobs.contiguous(), token_ids.contiguous(),
             draft_to_target if has_map else token_ids, pair_pos, pair_rank,
-            scores, pos, tokens, parents, num_pairs, n, prev_scores.stride(0),
-            K=K, WN=wn, P2=next_pow2(max(2, num_pairs)), HAS_MAP=has_map,
-            num_warps=4 if num_pairs <= 1024 else 8)
+            scores, pos, tokens, parents, best, theta, num_pairs, n, prev_scores.stride(0),
+            width, v_draft, K=K, WN=wn, P2=next_pow2(max(2, num_pairs)), WB=wb,
+            HAS_MAP=has_map, FIRST=first, num_warps=4 if num_pairs <= 1024 else 8)
     return scores, pos, tokens, parents
 
 

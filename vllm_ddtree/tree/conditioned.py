@@ -16,7 +16,12 @@ holds unchanged: depth ``d + 1``'s top-``B`` lies among the children of depth ``
 top-``B``, a parent at position ``i`` contributing its ``B // (i + 1)`` best children.
 The only new work is one distribution per kept parent: ``[R, B, V]`` logits per depth,
 of which the build needs each parent's log-sum-exp and ``B // (i + 1)`` best entries
-(the Triton build never writes the logits out).
+(the Triton build never writes the logits out).  Most of those parents cannot have
+descendants in the tree: a node's descendants rank below it (no higher score, greater
+depth), so only a node among the ``B - 1`` best found so far can have one.  The Triton
+build skips the others' distributions from the third depth on (a trained drafter's
+trees are deep and narrow: at budget 15 the shipped SmolLM2 DSpark drafter's requests
+have a parent left at about 4 of 15 depths), which changes no node of the tree.
 
 :func:`build_conditioned_tree` runs each depth in torch
 (:func:`build_conditioned_tree_torch`, the reference) or in three Triton launches
@@ -46,7 +51,7 @@ from vllm_ddtree.kernels.conditioned_candidates import (
     conditioned_candidates_triton,
 )
 from vllm_ddtree.kernels.tree_build import select_children_supported, select_children_triton
-from vllm_ddtree.kernels.triton_utils import use_triton
+from vllm_ddtree.kernels.triton_utils import next_pow2, use_triton
 
 from .build import DraftTree, assemble_tree, depth_candidates
 
@@ -191,6 +196,10 @@ def _build(
         # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
         nb = min(V, max(K, BOUND_TOKENS))
         top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
+        # the best `width` node scores so far and the width-th of them (the selection
+        # writes both)
+        best = torch.empty((R, next_pow2(width)), dtype=torch.float32, device=dev)
+        theta = torch.empty(R, dtype=torch.float32, device=dev)
 
     def candidates(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # children of each of parents [R, n]
@@ -198,8 +207,11 @@ def _build(
             need = cached_int64_tensor(
                 (K,) if d == 0 else tuple(parent_needs(K, width, parents.shape[1] - 1)),
                 str(dev))
+            # from depth 3 on, only the parents that can still be in the tree
+            pruned = {} if d < 2 else {"parent_scores": scores[-1], "theta": theta}
             return conditioned_candidates_triton(base_logits[:, d], parents, need,
-                                                 top_ids[d], w1, w2, head.scale, K)
+                                                 top_ids[d], w1, w2, head.scale, K,
+                                                 **pruned)
         return conditioned_candidates_torch(base_logits[:, d], parents, head, K)
 
     # depth 1: one distribution per request, conditioned on the root
@@ -220,7 +232,8 @@ def _build(
         bads.append(bad)
         if triton:  # one launch: the same selection, and the next depth's parents
             kept_scores, ppos, kept, parents = select_children_triton(
-                scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, draft_to_target)
+                scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, best, theta,
+                d == 1, V, draft_to_target)
             chain.append(parents[:, -1])
             scores.append(kept_scores)
         else:
