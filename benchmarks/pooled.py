@@ -11,6 +11,8 @@ temperature:
   (resampling the ratios, seeded).  A second DFlash engine (``dflash-b``) gives the
   same numbers for two identical engines: the noise floor the others are read against.
 
+``--ref`` compares with another engine of the runs instead (e.g. ``dspark``).
+
     python3 -m benchmarks.pooled docs/benchmarks/smollm-pair-h200-t*.json
 
 Pure Python; no vLLM.
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="results.json files of interleaved runs")
     ap.add_argument("--json", help="also write the summary here")
+    ap.add_argument("--ref", default="dflash",
+                    help="the engine every other is compared with (default: dflash)")
     args = ap.parse_args(argv)
     runs = []
     for path in args.results:
@@ -105,13 +109,13 @@ def main(argv=None) -> int:
         runs.append(res["rows"])
     out = {}
     for what, key, invert in (("throughput", "tok_s_runs", False),
-                              ("step (median output gap, DFlash / method)",
+                              (f"step (median output gap, {args.ref} / method)",
                                "median_gap_ms", True)):
-        summary = summarize(merge([paired(rows, key, invert=invert) for rows in runs]))
+        summary = summarize(merge([paired(rows, key, args.ref, invert) for rows in runs]))
         out[what] = summary
         if not summary:
             continue
-        print(f"\n{what} against dflash: pooled geometric mean [95% bootstrap], n; "
+        print(f"\n{what} against {args.ref}: pooled geometric mean [95% bootstrap], n; "
               "per batch: median (n)")
         for s in summary:
             cells = "  ".join(f"b{b} {med:.2f} ({k})" for b, (med, k) in s["per_batch"].items())

@@ -178,6 +178,25 @@ def test_inproc_engines_are_compared_with_the_inproc_reference():
     assert ("dflash@inproc", 0.0, 1) not in ratios  # its own reference
 
 
+def test_pooled_cli_compares_with_the_named_engine(tmp_path, capsys):
+    """``--ref dspark``: every engine against the DSpark chain, DFlash included."""
+    import json
+
+    from benchmarks.pooled import main
+
+    row = lambda m, x: dict(method=m, temperature=0.0, batch=1, tok_s_runs=[x],
+                            median_gap_ms=[100.0 / x])
+    res = tmp_path / "results.json"
+    res.write_text(json.dumps({"meta": {"interleaved": True}, "rows": [
+        row("dflash", 100.0), row("dspark", 125.0), row("dspark-ddtree-15", 150.0)]}))
+    assert main([str(res), "--ref", "dspark", "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "throughput against dspark" in out
+    got = {s["method"]: s["geomean"]
+           for s in json.loads((tmp_path / "s.json").read_text())["throughput"]}
+    assert got == {"dflash": pytest.approx(0.8), "dspark-ddtree-15": pytest.approx(1.2)}
+
+
 class _Part:
     def step(self, n):
         return self.inner(n) + 1
