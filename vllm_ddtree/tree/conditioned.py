@@ -21,7 +21,9 @@ descendants in the tree: a node's descendants rank below it (no higher score, gr
 depth), so only a node among the ``B - 1`` best found so far can have one.  The Triton
 build skips the others' distributions from the third depth on (a trained drafter's
 trees are deep and narrow: at budget 15 the shipped SmolLM2 DSpark drafter's requests
-have a parent left at about 4 of 15 depths), which changes no node of the tree.
+have a parent left at 4.5 of 15 depths on average, ``benchmarks.dspark_tree_shape``),
+which changes no node of finite score (a tree that must hold nodes of score -inf,
+logits with fewer than ``B`` finite paths, may hold other ones).
 
 :func:`build_conditioned_tree` runs each depth in torch
 (:func:`build_conditioned_tree_torch`, the reference) or in three Triton launches
@@ -112,7 +114,9 @@ def build_conditioned_tree(
     layout, determinism and tie rules as :func:`vllm_ddtree.tree.build.build_tree`; a
     Python loop over depths only, no device-to-host copy.  ``top1`` is the drafter's own
     greedy chain (each depth's best token after the chain's previous one, which the tree
-    may not hold), ``nonfinite`` flags requests whose logits held NaN/inf.
+    may not hold), ``nonfinite`` flags requests whose logits held NaN/inf (base logits
+    at every depth; the Markov bias of the parents whose children the build computes:
+    every parent in torch, in Triton only those that can reach the tree).
 
     :func:`build_conditioned_tree_triton` where
     :func:`~vllm_ddtree.kernels.triton_utils.use_triton` holds and its pair sort fits one
@@ -196,8 +200,8 @@ def _build(
         # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
         nb = min(V, max(K, BOUND_TOKENS))
         top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
-        # the best `width` node scores so far and the width-th of them (the selection
-        # writes both)
+        # the best `width` node scores so far and the (width - 1)-th of them, the next
+        # depth's threshold (the selection writes both)
         best = torch.empty((R, next_pow2(width)), dtype=torch.float32, device=dev)
         theta = torch.empty(R, dtype=torch.float32, device=dev)
 
