@@ -15,6 +15,7 @@ from vllm_ddtree.tree.conditioned import (
 )
 
 pytestmark = pytest.mark.triton
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels run
 
 
 def _inputs(seed: int, R: int, P: int, V: int, spread: int, rank: int = 3):
@@ -26,14 +27,23 @@ def _inputs(seed: int, R: int, P: int, V: int, spread: int, rank: int = 3):
     return base, MarkovHead(w1, w2, 0.5), parents
 
 
-def _run(base, head, parents, k: int, width: int, top_ids=None, tuning=None):
+def _triton(base, parents, need, top_ids, head, k: int, tuning=None, **pruned):
+    """The kernel on the GPU where there is one (else under the interpreter), its
+    results back on the CPU."""
     from vllm_ddtree.kernels.conditioned_candidates import conditioned_candidates_triton
 
+    to = lambda t: t.to(DEV)
+    out = conditioned_candidates_triton(
+        to(base), to(parents), to(need), to(top_ids.contiguous()), to(head.w1),
+        to(head.w2), head.scale, k, tuning, **{n: to(t) for n, t in pruned.items()})
+    return tuple(t.cpu() for t in out)
+
+
+def _run(base, head, parents, k: int, width: int, top_ids=None, tuning=None):
     need = torch.tensor(parent_needs(k, width, parents.shape[1] - 1))
     if top_ids is None:  # the depth's best base tokens, as the build passes them
         top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :64]
-    return need, conditioned_candidates_triton(base, parents, need, top_ids.contiguous(),
-                                               head.w1, head.w2, head.scale, k, tuning)
+    return need, _triton(base, parents, need, top_ids, head, k, tuning)
 
 
 def _assert_same_needed(need, got, want):
@@ -117,8 +127,6 @@ def test_only_parents_at_or_above_the_threshold_get_children(tile, group):
     flags; the others -inf log-probabilities and no flag, even where their bias is not
     finite.  Request 1 has no parent at the threshold: its chunks do the chain's row
     alone, which still flags a NaN base logit."""
-    from vllm_ddtree.kernels.conditioned_candidates import conditioned_candidates_triton
-
     base, head, parents = _inputs(8, 3, 6, 900, 8)
     base[1, 33] = float("nan")
     head.w1[:, 0] = 0.0
@@ -130,9 +138,8 @@ def test_only_parents_at_or_above_the_threshold_get_children(tile, group):
     theta = torch.tensor([-2.5, -4.0, float("-inf")])
     need = torch.tensor(parent_needs(9, 15, 5))
     top_ids = torch.sort(base, dim=1, descending=True, stable=True).indices[:, :64]
-    lp, ids, bad = conditioned_candidates_triton(
-        base, parents, need, top_ids.contiguous(), head.w1, head.w2, head.scale, 9,
-        _tuning(tile, group), parent_scores=scores, theta=theta)
+    lp, ids, bad = _triton(base, parents, need, top_ids, head, 9, _tuning(tile, group),
+                           parent_scores=scores, theta=theta)
     want = conditioned_candidates_torch(base, parents, head, 9)
     use = torch.cat([scores >= theta[:, None], torch.ones(3, 1, dtype=torch.bool)], 1)
     assert use.tolist() == [[True, True, True, False, False, True],
