@@ -25,14 +25,14 @@ import torch
 def tree_shape(base: torch.Tensor,  # [D, V] float32 one request's base logits
                root: int, head, budget: int) -> tuple[list[int], int]:
     """Live parents per depth (depths 2..D) under the build's rule; the tree's depth."""
-    from vllm_ddtree.tree.build import depth_candidates
-    from vllm_ddtree.tree.conditioned import markov_bias, parent_needs
+    from vllm_ddtree.tree.conditioned import conditioned_candidates_torch, parent_needs
 
     D = base.shape[0]
 
     def children(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        bias = markov_bias(head, parents).unsqueeze(0)  # [1, P, V]
-        lp, tok = depth_candidates(bias, budget, inplace=True, add=base[d:d + 1])[:2]
+        # [P, budget] each parent's best children: log-probabilities, ids
+        lp, tok, _ = conditioned_candidates_torch(base[d:d + 1], parents.view(1, -1),
+                                                  head, budget)
         return lp[0], tok[0]
 
     lp, tok = children(0, torch.tensor([root]))
