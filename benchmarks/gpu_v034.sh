@@ -21,15 +21,17 @@
 #             it) and the DFlash drafter with it
 #   sampling  the T > 0 distribution test (tests/gpu/test_gpu_engines.py)
 #   units     GPU unit tests without engines (UNITS: pytest paths; default the no-sync
-#             step, the T > 0 choice rule and stop draw, the tree store), then the Qwen3-8B-shaped pair for `stepcost`
-#             written to /tmp/shaped (its first run then starts engines at once)
+#             step, the T > 0 choice rule and stop draw, the tree store), then (unless
+#             SHAPED=0) the Qwen3-8B-shaped pair for `stepcost` written to /tmp/shaped (its
+#             first run then starts engines at once)
 #   conditioned  the conditioned (DSpark) tree build alone: CUDA against the heap
 #             oracle, ms per build in a CUDA graph (benchmarks.core_gpu --conditioned;
 #             CORE_ARGS=--profile: its GPU time by kernel instead)
 #   stepcost  the equal-acceptance step cost at Qwen3-8B shape (METHODS, BATCHES, TEMPS
 #             as benchmarks.step_cost takes them)
 #   smollm    tokens/s on the SmolLM2 pair (benchmarks.throughput: METHODS, BUDGETS,
-#             BATCHES, TEMPS, REPEATS; both shipped drafters, whose ~50 MB leave little
+#             BATCHES, TEMPS, REPEATS, TP_ARGS: more of its flags, e.g. --host-timing
+#             with @inproc methods; both shipped drafters, whose ~50 MB leave little
 #             room in a call: carry .smol/ without them first), pooled against the DFlash
 #             chain (benchmarks.pooled); carry .whl/ as for the quick start
 # Logs under $OUT/<stage>/, tables on stdout.  On an H100 a DDTree engine of a tiny
@@ -106,6 +108,7 @@ units)
   watchdog 300 "$LOG/pytest.log" python3 -m pytest -q -p no:cacheprovider \
     ${UNITS:-tests/gpu/test_no_sync.py tests/gpu/test_verify_sampling.py tests/core/test_tree_store.py}
   echo "exit $?"; tail -n 15 "$LOG/pytest.log"
+  [ "${SHAPED:-1}" = 1 ] || exit 0
   banner "the Qwen3-8B-shaped pair (accept_all)"
   python3 -c "from benchmarks.shaped_models import write_pair; \
 print(write_pair('/tmp/shaped', 'qwen3-8b', 'accept_all', 'cuda'))" 2>&1 | tail -n 3
@@ -144,7 +147,7 @@ smollm)
     --methods "${METHODS:-dflash,dspark,dspark-ddtree-15}" --budgets "${BUDGETS:-63}" \
     --batches "${BATCHES:-1,2,4,8,16,32,64}" --temps "${TEMPS:-0}" \
     --repeats "${REPEATS:-1}" --max-tokens 128 --max-model-len 1024 \
-    --max-num-batched-tokens 4096 --out "$LOG/tp"
+    --max-num-batched-tokens 4096 --out "$LOG/tp" ${TP_ARGS:-}
   echo "exit $?"; grep -m3 -E "Error|error:|Traceback" "$LOG/tp.log"
   [ -f "$LOG/tp/results.json" ] && python3 -m benchmarks.pooled "$LOG/tp/results.json"
   cleanup

@@ -5,14 +5,15 @@ With vLLM's engine core in the benchmark's own engine process (``@inproc`` metho
 every method that vLLM or this plugin defines on the model runner, its speculator or
 drafter, its model state, its samplers, the attention-metadata builders of the target
 (``attn_builder``) and of the drafter (``draft_attn_builder``), each role summed over
-its builders, DDTree's ``tree_buffers`` and the engine core's scheduler is wrapped on
-the instance with a ``perf_counter_ns`` accumulator.  Times are inclusive (a method's
-time contains the wrapped methods it calls) and host-only: no synchronization is added,
-so a method that launches GPU work is charged only for the launch, unless it waits.
-That is the cost that matters when a step is host-bound, as the SmolLM2-135M pair's
-is.  The same roles (``runner``, ``speculator``, ...) exist for DFlash and DDTree
-engines, so their rows compare method by method.  A wrapper adds ~0.25 µs per call
-(measured on this project's CPU machine), to every engine alike.
+its builders, DDTree's ``trees`` and ``step_rows`` (its speculator's device state) and
+the engine core's scheduler is wrapped on the instance with a ``perf_counter_ns``
+accumulator. Times are inclusive (a method's time contains the wrapped methods it calls)
+and host-only: no synchronization is added, so a method that launches GPU work is
+charged only for the launch, unless it waits. That is the cost that matters when a step
+is host-bound, as the SmolLM2-135M pair's is. The same roles (``runner``,
+``speculator``, ...) exist for DFlash and DDTree engines, so their rows compare method
+by method. A wrapper adds ~0.25 µs per call (measured on this project's CPU machine), to
+every engine alike.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ def timer_for(llm) -> HostTimer:
         if part is not None and part is not runner:
             objs[role] = part
     # DDTree's device state (fill_rows, walk, commit, ...), shared by its runner's parts
-    tree_buffers = getattr(getattr(runner, "speculator", None), "tree_buffers", None)
-    if tree_buffers is not None:
-        objs["tree_buffers"] = tree_buffers
+    for role in ("trees", "step_rows"):
+        state = getattr(getattr(runner, "speculator", None), role, None)
+        if state is not None:
+            objs[role] = state
     for role, owner in (("attn_builder", runner),
                         ("draft_attn_builder", getattr(runner, "speculator", None))):
         if builders := attention_builders(owner):
