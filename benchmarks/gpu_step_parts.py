@@ -64,17 +64,17 @@ def case(R, B, topk_pruned, dev="cuda"):
     rows = StepRows(max(R, 1), R * W, B, dev)
     logits = torch.randn(R, D, V, device=dev, dtype=torch.bfloat16) * 3
     draft_tokens = torch.zeros(R, B, dtype=torch.int64, device=dev)
+    idx = torch.arange(R, dtype=torch.int32, device=dev)
+    states = idx.long()
 
     def build():
         tree = build_tree(logits, B, topk_pruned=topk_pruned)
-        ts.store_batch(tree, logits, draft_tokens)
+        ts.store_batch(tree, logits, draft_tokens, states)
 
     res = {"build": timed(build), "build/g": timed(graphed(build))}
     x = logits.view(R * D, V)
     k = min(B, topk_lse_max_k(topk_pruned))
     res["topk/g"] = timed(graphed(lambda: topk_lse_triton(x, k, pruned=topk_pruned)))
-    idx = torch.arange(R, dtype=torch.int32, device=dev)
-    ts.commit(idx, R)
     qs = (torch.arange(R + 1, device=dev) * W).to(torch.int32)
     cu = qs.clone()
     T = R * W

@@ -96,7 +96,7 @@ def timer_for(llm) -> HostTimer:
         part = getattr(runner, role, None)
         if part is not None and part is not runner:
             objs[role] = part
-    # DDTree's device state (fill_rows, walk, commit, ...), shared by its runner's parts
+    # DDTree's device state (fill_rows, walk, ...), shared by its runner's parts
     for role in ("trees", "step_rows"):
         state = getattr(getattr(runner, "speculator", None), role, None)
         if state is not None:

@@ -1,5 +1,6 @@
 """``store_trees``: the one-launch Triton kernel (``store_trees_triton``,
-TRITON_INTERPRET=1 on CPU) equals its torch reference (``store_trees_torch``) exactly, and
+TRITON_INTERPRET=1 on CPU) equals its torch reference (``store_trees_torch``) exactly,
+writes each row's tree to its request state and nothing for a row of state -1, and
 ``TreeStates.store_batch`` (which passes it the tree build's own NaN/inf mask and chain)
 writes what the logits themselves say."""
 
@@ -39,9 +40,20 @@ def _outputs(S: int, B: int, D: int, draft_dtype: torch.dtype) -> list[torch.Ten
             full((S, W, NW), torch.int32), full((S, D))]
 
 
-def _run(store, tree, bad, top1, outs):
-    args = [t.to(DEV) for t in (tree.token_ids, tree.parents, tree.depths, bad, top1)]
+def _run(store, tree, bad, top1, outs, states=None):
+    """``store`` into ``outs``; row ``r``'s state is ``states[r]`` (default ``r``)."""
+    if states is None:
+        states = torch.arange(tree.token_ids.shape[0])
+    args = [t.to(DEV) for t in (tree.token_ids, tree.parents, tree.depths, bad, top1, states)]
     store(*args, *outs)
+
+
+def _strided_states(states: list[int], stride: int) -> torch.Tensor:
+    """``states`` as a strided view, as the speculator reads them from vLLM's sample
+    rows (one entry every ``stride``)."""
+    buf = torch.full((len(states) * stride,), 99, dtype=torch.int64)
+    buf[::stride] = torch.tensor(states)
+    return buf.to(DEV)[::stride]
 
 
 @pytest.mark.triton
@@ -57,22 +69,28 @@ def test_triton_matches_reference(B, D, draft_dtype):
     assert torch.equal(top1, logits.argmax(dim=-1))
     assert B == 1 or not top1.is_contiguous()  # one candidate per depth: contiguous
     inputs = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
+    order = [4, 0, 7, -1, 2, 8]  # row 3: a padding row; states 1, 3, 5, 6 not written
+    states = _strided_states(order, B)
     ref, got = (_outputs(R + extra, B, D, draft_dtype) for _ in range(2))
-    _run(store_trees_torch, tree, bad, top1, ref)
-    _run(store_trees_triton, tree, bad, top1, got)
+    _run(store_trees_torch, tree, bad, top1, ref, states)
+    _run(store_trees_triton, tree, bad, top1, got, states)
     for r, g in zip(ref, got):
         assert torch.equal(r, g)
-        assert torch.all(g[R:] == SENTINEL)  # rows >= R untouched
+    assert torch.all(got[0][R:] == SENTINEL)  # draft tokens: rows >= R untouched
+    for g in got[1:]:  # by state: the states no row names untouched
+        assert torch.all(g[[1, 3, 5, 6]] == SENTINEL)
     # the inputs are not modified
     for before, t in zip(inputs, (tree.token_ids, tree.parents, tree.depths)):
         assert torch.equal(before, t)
     # the cases exercise what they claim: bad rows empty, short trees, deep trees
     draft, walk, _, depths, _, chain = (t.cpu() for t in ref)
-    assert torch.all(walk[:R][bad] == -1) and torch.all(chain[:R][bad] == -1)
+    walk, chain, depths = (t[[s for s in order if s >= 0]] for t in (walk, chain, depths))
+    live_bad = bad[[r for r, s in enumerate(order) if s >= 0]]
+    assert torch.all(walk[live_bad] == -1) and torch.all(chain[live_bad] == -1)
     assert torch.all(draft[:R] >= 0)
-    assert int((walk[:R] == -1).sum()) > int(bad.sum()) * B
+    assert int((walk == -1).sum()) > int(live_bad.sum()) * B
     if D > 1 and B > 1:
-        assert int(depths[:R].max()) > 1
+        assert int(depths.max()) > 1
 
 
 @pytest.mark.parametrize(("N", "B"), [(15, 63), (31, 63), (1, 15), (15, 15)])
@@ -147,12 +165,13 @@ def test_reference_matches_store_batch(B, D, triton_runs):
     tokens = [t.clone() for t in (tree.token_ids, tree.parents, tree.depths)]
 
     ts = TreeStates(max_num_reqs=S, budget=B, max_depth=D, device="cpu")
-    batch = (ts._batch_walk_tokens, ts._batch_parents, ts._batch_depths,
-             ts._batch_ancestor_bits, ts._batch_chain)  # what store_batch writes
-    fresh = [t.clone() for t in batch]
+    by_state = (ts._walk_tokens, ts._parents, ts._depths, ts._ancestor_bits,
+                ts._chain)  # what store_batch writes
+    fresh = [t.clone() for t in by_state]
+    states = torch.tensor([6, 2, 0, 5, 3])
     draft_tokens = torch.full((S, B), SENTINEL, dtype=torch.int32)
-    assert ts.store_batch(tree, logits, draft_tokens).tolist() == bad.tolist()
-    want = [draft_tokens, *batch]
+    assert ts.store_batch(tree, logits, draft_tokens, states).tolist() == bad.tolist()
+    want = [draft_tokens, *by_state]
     assert int(bad.sum()) == 2
 
     stores = [store_trees_torch]
@@ -161,7 +180,7 @@ def test_reference_matches_store_batch(B, D, triton_runs):
     for store in stores:
         outs = [torch.full((S, B), SENTINEL, dtype=torch.int32)] + [t.clone() for t in fresh]
         outs = [t.to(DEV) for t in outs]
-        store(*(t.to(DEV) for t in (*tokens, bad, top1)), *outs)
+        store(*(t.to(DEV) for t in (*tokens, bad, top1, states)), *outs)
         for w, o in zip(want, outs):
             assert torch.equal(w, o.cpu()), store.__name__
 
@@ -169,10 +188,16 @@ def test_reference_matches_store_batch(B, D, triton_runs):
 def test_rejects_mismatched_outputs():
     tree = build_tree(_logits(2, 3, seed=0), 7)
     args = (tree.token_ids, tree.parents, tree.depths, torch.zeros(2, dtype=torch.bool),
-            torch.zeros(2, 3, dtype=torch.int64))
+            torch.zeros(2, 3, dtype=torch.int64), torch.arange(2))
     outs = _outputs(2, 7, 3, torch.int64)
     outs[3] = outs[3][:, :-1]  # depths must have B + 1 columns
     with pytest.raises(ValueError, match="not"):
         store_trees(*args, *outs)
     with pytest.raises(ValueError, match="do not fit"):  # a tree wider than the outputs
         store_trees(*args, *_outputs(2, 5, 3, torch.int64))
+    outs = _outputs(2, 7, 3, torch.int64)
+    outs[5] = torch.zeros(3, 3, dtype=torch.int64, device=DEV)  # by state: one length
+    with pytest.raises(ValueError, match="differ in length"):
+        store_trees(*args, *outs)
+    with pytest.raises(ValueError, match="states"):
+        store_trees(*args[:5], torch.arange(3), *_outputs(2, 7, 3, torch.int64))

@@ -1,40 +1,15 @@
-"""KV compaction of the accepted path on a fake paged cache, and the hidden-state row
-permutation the drafter reads (:mod:`vllm_ddtree.gpu.compaction`): the Triton launchers
-(``*_triton``, TRITON_INTERPRET=1 on CPU) against the torch references (``*_torch``), and
-the references against first principles."""
+"""Compaction of the accepted path on a fake paged cache and hidden-state rows
+(:mod:`vllm_ddtree.gpu.compaction`): the Triton launcher (``compact_triton``,
+TRITON_INTERPRET=1 on CPU) against the torch reference (``compact_torch``), and the
+reference against first principles."""
 
 
 import pytest
 import torch
 
-from vllm_ddtree.gpu.compaction import (
-    KVCompactor,
-    compact_kv_torch,
-    compact_kv_triton,
-    hidden_row_perm_torch,
-    hidden_row_perm_triton,
-)
+from vllm_ddtree.gpu.compaction import MAX_HIDDEN, KVCompactor, compact_torch, compact_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("num_rows", [1, 17, 300])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_hidden_row_perm_triton_matches_reference(num_rows, dtype):
-    """The one-launch permutation (a binary search in the increasing logits indices)
-    against the arange/gather/index_put reference: logits rows scattered among other
-    rows (prefill rows, padding), each taking a random logits row's token row."""
-    g = torch.Generator().manual_seed(num_rows)
-    num_logits = max(1, num_rows // 3)
-    li = torch.randperm(num_rows, generator=g)[:num_logits].sort().values.to(dtype)
-    src = torch.randint(0, num_logits, (num_logits,), generator=g)
-    want = hidden_row_perm_torch(li, src, num_rows)
-    got = hidden_row_perm_triton(li.to(DEV), src.to(DEV), num_rows, 512).cpu()
-    assert torch.equal(want, got)
-    other = torch.ones(num_rows, dtype=torch.bool)
-    other[li.long()] = False
-    assert torch.equal(got[other], torch.arange(num_rows)[other])  # untouched rows
 
 
 def _paged(seed, L=3, nblocks=12, bs=16, H=2, width=8, dtype=torch.float32):
@@ -58,7 +33,16 @@ def test_compaction_reference_semantics():
     caches = _paged(0)
     before = [c.clone() for c in caches]
     slots, li, cu, path, nacc = _plan()
-    compact_kv_torch(caches, slots, li, cu, path, nacc, 3)
+    hidden = torch.arange(20.0).unsqueeze(1).repeat(1, 3)  # row r holds r
+    slots = torch.cat([torch.tensor([200, 201]), slots])
+    compact_torch(caches, slots, li + 2, cu, path, nacc, 3, [hidden])
+    # token rows = logits rows + 2 (two rows before the batch's logits rows keep theirs):
+    # request 0 moves rows 2+[0, 2, 3, 7] to 2+[0..3], request 1 rows 10+[0, 1, 4]
+    want = list(range(20))
+    want[2:6] = [2, 4, 5, 9]
+    want[10:13] = [10, 11, 14]
+    assert hidden[:, 0].tolist() == want
+    assert torch.equal(hidden[:, 0], hidden[:, 2])
 
     def row(c, s):
         return c[s // 16, s % 16]
@@ -73,14 +57,28 @@ def test_compaction_reference_semantics():
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("num_hidden", [0, 1, 3, MAX_HIDDEN + 2])  # the last: 2 launches
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compaction_triton_matches_reference(dtype):
+def test_compaction_triton_matches_reference(dtype, num_hidden):
+    """Every KV layer and every hidden tensor (rows of 40 elements, some rows before
+    the logits rows, int32 accepted counts as the walk's are read too) equal the
+    reference's; the hidden rows a step does not move keep their values."""
     ref = _paged(1, dtype=dtype)
     got = [c.clone().to(DEV) for c in ref]
     slots, li, cu, path, nacc = _plan()
-    compact_kv_torch(ref, slots, li, cu, path, nacc, 3)
+    li = li + 3  # three rows (a prefill chunk) before the trees
+    slots = torch.cat([torch.tensor([150, 151, 152]), slots])
+    g = torch.Generator().manual_seed(num_hidden)
+    hid_ref = [torch.randn(20, 40, generator=g).to(dtype) for _ in range(num_hidden)]
+    hid_got = [h.clone().to(DEV) for h in hid_ref]
+    before = [h.clone() for h in hid_ref]
+    compact_torch(ref, slots, li, cu, path, nacc, 3, hid_ref)
     comp = KVCompactor(got)
-    compact_kv_triton(got[0], comp.offsets, slots.to(DEV), li.to(DEV), cu.to(DEV),
-                      path.to(DEV), nacc.to(DEV), 3)
+    compact_triton(got[0], comp.offsets, slots.to(DEV), li.to(DEV), cu.to(DEV),
+                   path.to(DEV), nacc.to(torch.int32).to(DEV), 3, hid_got)
     for r, g in zip(ref, got):
         assert torch.equal(r, g.cpu())
+    for r, h, b in zip(hid_ref, hid_got, before):
+        assert torch.equal(r, h.cpu())
+        assert not torch.equal(r, b)  # rows moved
+        assert torch.equal(r[[0, 1, 2, 8, 9, 10, 16, 17]], b[[0, 1, 2, 8, 9, 10, 16, 17]])

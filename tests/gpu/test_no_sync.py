@@ -1,7 +1,7 @@
 """No device-to-host sync in the plugin's per-step GPU work: one simulated step of every
-piece the speculator, the model state and the verifier launch (tree build, tree store,
-chain fallback from host flags, commit, verify rows, walk, T > 0 choice and stop draw,
-KV compaction, hidden-row permutation, the NaN/inf count's copy to pinned memory), and
+piece the speculator, the model state and the verifier launch (tree build, tree store at
+the request states, chain fallback from host flags, verify rows, walk, T > 0 choice and
+stop draw, KV and hidden-row compaction, the NaN/inf count's copy to pinned memory), and
 the conditioned (DSpark) tree build, run under
 ``torch.cuda.set_sync_debug_mode("error")``, where any synchronizing call raises.  The
 first pass compiles the Triton kernels; the second is the one checked."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.gpu.compaction import KVCompactor, hidden_row_perm
+from vllm_ddtree.gpu.compaction import KVCompactor
 from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
 from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.gpu.tree_state import TreeStates
@@ -47,22 +47,24 @@ def _inputs(seed: int) -> dict:
         seeds=torch.arange(S, dtype=torch.int64, device=dev),
         logits_indices=torch.arange(n, device=dev),
         slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-        hidden=torch.randn(n, 64, device=dev, generator=g))
+        hidden=torch.randn(n, 64, device=dev, generator=g),
+        hidden2=torch.randn(n, 64, device=dev, generator=g))
 
 
 def _step(trees: TreeStates, rows: StepRows, compactor: KVCompactor,
           nonfinite: NonfiniteCount, x: dict) -> None:
     dev = torch.device("cuda")
     n, cu, idx = x["n"], x["query_start"], x["idx_mapping"]
-    # drafter pass: the trees, stored; a chain fallback from host flags; the commit
+    # drafter pass: the trees, stored at their states; a chain fallback from host flags
     tree = build_tree(x["draft_logits"], B)
-    nonfinite.add(trees.store_batch(tree, x["draft_logits"], x["draft_tokens"]))
+    nonfinite.add(trees.store_batch(tree, x["draft_logits"], x["draft_tokens"],
+                                    idx.long()))
     chain = trees.chain_rows(x["idx_np"])  # host flags only
     assert chain.tolist() == [2]
     # as the speculator copies it: pinned memory, non_blocking
-    trees.apply_chain_fallback(torch.from_numpy(chain).pin_memory().to(dev, non_blocking=True),
-                               x["draft_tokens"])
-    trees.commit(idx, R)
+    rows_states = torch.from_numpy(np.stack([chain, x["idx_np"][chain].astype(np.int64)]))
+    rows_states = rows_states.pin_memory().to(dev, non_blocking=True)
+    trees.apply_chain_fallback(rows_states[0], rows_states[1], x["draft_tokens"])
     nonfinite.report()  # the host reads the last copy, the next one starts
 
     # target step: verify rows, W per request
@@ -80,9 +82,7 @@ def _step(trees: TreeStates, rows: StepRows, compactor: KVCompactor,
 
     # next drafter pass: KV compaction, the hidden rows of the accepted path first
     compactor(x["slot_mapping"], x["logits_indices"], cu, accepted.path,
-              accepted.num_accepted, R)
-    perm = hidden_row_perm(x["logits_indices"], accepted.src_logit_row, n, 4 * n)
-    x["hidden"] = x["hidden"][perm]
+              accepted.num_accepted, R, [x["hidden"], x["hidden2"]])
 
 
 def test_a_step_has_no_device_to_host_sync():

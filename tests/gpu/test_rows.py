@@ -1,7 +1,7 @@
-"""Per-step verify-row metadata (ancestor bits, tree RoPE positions, prefix lengths) and
-the commit of batch rows to request states (:mod:`vllm_ddtree.gpu.rows`): the Triton
-launchers (``*_triton``, TRITON_INTERPRET=1 on CPU) against the torch references
-(``*_torch``), and the references against first principles."""
+"""Per-step verify-row metadata (ancestor bits, tree RoPE positions, prefix lengths;
+:mod:`vllm_ddtree.gpu.rows`): the Triton launcher (``*_triton``, TRITON_INTERPRET=1 on
+CPU) against the torch reference (``*_torch``), and the reference against first
+principles."""
 
 
 import pytest
@@ -9,8 +9,6 @@ import torch
 
 from vllm_ddtree.gpu.rows import (
     causal_words,
-    commit_states_torch,
-    commit_states_triton,
     fill_tree_rows_torch,
     fill_tree_rows_triton,
 )
@@ -93,29 +91,3 @@ def test_fill_triton_matches_reference(seed):
     want, got = _fill(args, fill_tree_rows_torch), _fill(args, fill_tree_rows_triton, DEV)
     for name in want:
         assert torch.equal(want[name], got[name]), name
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("budget", [15, 40, 600])  # 600: rows past one 1024-wide block
-def test_commit_states_triton_matches_reference(budget):
-    """The one-launch commit against the per-buffer index_put: the batch rows land in
-    their states' rows (shuffled, not all states), every other state row untouched."""
-    g = torch.Generator().manual_seed(budget)
-    S, W, NW, n = 7, budget + 1, (budget + 32) // 32, 4
-    shapes = [((S, W, NW), torch.int32), ((S, W), torch.int64), ((S, budget), torch.int64),
-              ((S, budget), torch.int64)]
-    srcs = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
-    dsts = [torch.randint(-2**30, 2**30, shape, generator=g).to(dt) for shape, dt in shapes]
-    # int64 as vLLM 0.32 passes it; a longer mapping than the batch (its tail unused)
-    idx_long = torch.tensor([5, 0, 3, 6, 1], dtype=torch.int64)
-    idx = idx_long[:n]
-    outs = []
-    for commit in (commit_states_torch, commit_states_triton):
-        pairs = [(a.to(DEV), b.to(DEV).clone()) for a, b in zip(srcs, dsts)]
-        commit(idx_long.to(DEV), pairs, n)
-        outs.append([d.cpu() for _, d in pairs])
-    for want, got, src, dst in zip(outs[0], outs[1], srcs, dsts):
-        assert torch.equal(want, got)
-        assert torch.equal(got[idx.long()], src[:n])
-        rest = torch.tensor([s not in idx.tolist() for s in range(S)])
-        assert torch.equal(got[rest], dst[rest])

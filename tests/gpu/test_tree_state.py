@@ -1,5 +1,5 @@
 """The V2 (GPU) path's device state on CPU: a simulated verify step through
-:class:`TreeStates` (add_request -> store_batch -> chain fallback -> commit -> fill_rows
+:class:`TreeStates` (add_request -> store_batch -> chain fallback -> fill_rows
 into :class:`StepRows` -> walk) against the Python reference walk, with vLLM's batch
 layout (requests reordered between steps, a tree cut short by the scheduler, a prefill
 chunk and a chain-fallback request in the same batch)."""
@@ -26,17 +26,17 @@ def _step(seed, device="cpu"):
     logits = (torch.randn(3, D, V, generator=g) * 3).to(device)
     tree = build_tree(logits, B)
     draft_tokens = torch.zeros(6, B, dtype=torch.int64, device=device)
-    ts.store_batch(tree, logits, draft_tokens)
-    chain = ts.chain_rows(np.array(STATES))  # batch row 2: a chain
-    ts.apply_chain_fallback(torch.from_numpy(chain).to(device), draft_tokens)
     idx_propose = torch.tensor(STATES, dtype=torch.int32, device=device)  # request states
-    ts.commit(idx_propose, 3)
+    ts.store_batch(tree, logits, draft_tokens, idx_propose.long())
+    chain = ts.chain_rows(np.array(STATES))  # batch row 2: a chain
+    ts.apply_chain_fallback(torch.from_numpy(chain).to(device),
+                            idx_propose.long()[torch.from_numpy(chain).to(device)], draft_tokens)
     state_tokens = torch.zeros(6, B, dtype=torch.int64, device=device)
     state_tokens[idx_propose.long()] = draft_tokens[:3]
     return g, ts, tree, state_tokens, logits
 
 
-def test_store_commit_and_chain_fallback():
+def test_store_and_chain_fallback():
     _, ts, tree, state_tokens, logits = _step(0)
     assert ts.chain_rows(np.array(STATES)).tolist() == [2]
     assert ts.chain_rows(np.array([5, 1, 5])).tolist() == [0, 2]
@@ -136,6 +136,27 @@ def test_verify_step_matches_reference_walk():
     assert not rows.has_trees
 
 
+def test_dropped_trees_accept_the_root_only():
+    """``drop_trees`` (after a warm-up pass stored its dummy batch's trees): those
+    states' next walk keeps the target's own token at the root only, whatever the target
+    says; the other states keep their trees."""
+    g, ts, _, _, _ = _step(4)
+    before = ts.walk_tokens.clone()
+    ts.drop_trees(torch.tensor([3], dtype=torch.int32))
+    assert (ts.walk_tokens[3] == -1).all()
+    assert torch.equal(ts.walk_tokens[[0, 5]], before[[0, 5]])
+    W = B + 1
+    cu = torch.arange(3, dtype=torch.int32) * W
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    targets = torch.randint(0, V, (2 * W,), generator=g)
+    for b, state in enumerate((3, 0)):  # the target follows each old tree's first child
+        first = int((ts.parents[state] == 0).nonzero()[0])
+        targets[cu[b]] = before[state, first]
+    sampled, acc = ts.walk(targets, cu, idx, 2)
+    assert acc.num_accepted.tolist()[0] == 1 and int(acc.num_accepted[1]) >= 2
+    assert int(sampled[0, 0]) == int(targets[0])
+
+
 def test_nonfinite_draft_logits_give_bonus_only_steps():
     """A request whose draft logits hold NaN/inf gets an empty tree (and an empty chain when
     it falls back): every draft slot holds a valid token id but none can be accepted, so
@@ -146,14 +167,14 @@ def test_nonfinite_draft_logits_give_bonus_only_steps():
     logits[2, 0, 7] = float("inf")
     tree = build_tree(logits, B)
     draft_tokens = torch.full((4, B), -7, dtype=torch.int64)
-    bad = ts.store_batch(tree, logits, draft_tokens)
-    ts.apply_chain_fallback(torch.tensor([2]), draft_tokens)  # request 2 verified as a chain
+    bad = ts.store_batch(tree, logits, draft_tokens, torch.arange(3))
+    # request 2 verified as a chain
+    ts.apply_chain_fallback(torch.tensor([2]), torch.tensor([2]), draft_tokens)
     assert bad.tolist() == [False, True, True]
-    assert (ts._batch_walk_tokens[0] >= 0).any()  # the finite request keeps its tree
-    assert (ts._batch_walk_tokens[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
+    assert (ts.walk_tokens[0] >= 0).any()  # the finite request keeps its tree
+    assert (ts.walk_tokens[1:3] == -1).all()  # nothing of requests 1, 2 can be accepted
     assert (draft_tokens[:3] >= 0).all()  # but the target is fed real token ids
     idx = torch.arange(3, dtype=torch.int32)
-    ts.commit(idx, 3)
     W = B + 1
     cu = torch.arange(4, dtype=torch.int32) * W
     targets = torch.randint(0, V, (3 * W,), generator=torch.Generator().manual_seed(4))

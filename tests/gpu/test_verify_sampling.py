@@ -34,10 +34,11 @@ def _trees(num_states: int, budget: int, depth: int, draft_logits: torch.Tensor,
     ts = TreeStates(num_states, budget, depth, "cpu")
     n = draft_logits.shape[0]
     draft_tokens = torch.zeros(num_states, budget, dtype=torch.int64)
-    ts.store_batch(build_tree(draft_logits, budget), draft_logits, draft_tokens)
+    ts.store_batch(build_tree(draft_logits, budget), draft_logits, draft_tokens,
+                   torch.arange(n))
     if chain_rows:
-        ts.apply_chain_fallback(torch.tensor(chain_rows), draft_tokens)
-    ts.commit(torch.arange(n, dtype=torch.int32), n)
+        ts.apply_chain_fallback(torch.tensor(chain_rows), torch.tensor(chain_rows),
+                                draft_tokens)
     return ts
 
 

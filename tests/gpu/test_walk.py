@@ -26,10 +26,11 @@ def _states(seed):
         ts.add_request(state, as_chain=state == 5)
     logits = (torch.randn(3, D, V, generator=g) * 3).to(DEV)
     draft_tokens = torch.zeros(6, B, dtype=torch.int64, device=DEV)
-    ts.store_batch(build_tree(logits, B), logits, draft_tokens)
-    chain = torch.from_numpy(ts.chain_rows(np.array(states))).to(DEV)
-    ts.apply_chain_fallback(chain, draft_tokens)
-    ts.commit(torch.tensor(states, dtype=torch.int32, device=DEV), 3)
+    ts.store_batch(build_tree(logits, B), logits, draft_tokens,
+                   torch.tensor(states, device=DEV))
+    chain = ts.chain_rows(np.array(states))
+    ts.apply_chain_fallback(torch.from_numpy(chain).to(DEV),
+                            torch.tensor(states)[chain].to(DEV), draft_tokens)
     return g, ts
 
 

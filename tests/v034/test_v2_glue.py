@@ -83,8 +83,8 @@ def _store_chains(trees, tokens: list[int], num_reqs: int) -> None:
                      torch.arange(1, budget + 1).expand(num_reqs, -1).clone(),
                      torch.full((num_reqs,), budget), torch.zeros(num_reqs, budget), budget)
     draft = torch.zeros(num_reqs, budget, dtype=torch.int64)
-    trees.store_batch(tree, torch.zeros(num_reqs, trees.max_depth, 4), draft)
-    trees.commit(torch.arange(num_reqs, dtype=torch.int32), num_reqs)
+    trees.store_batch(tree, torch.zeros(num_reqs, trees.max_depth, 4), draft,
+                      torch.arange(num_reqs))
 
 
 @pytest.mark.parametrize(("temperature", "seeded", "rule"), [
@@ -148,32 +148,44 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
     assert len(accepted) == 1 and accepted[0].num_accepted.tolist() == [3, 3]
 
 
-@pytest.mark.parametrize(("kwargs", "commits"), [
-    ({"num_speculative_tokens": 15}, 1),
-    ({"num_speculative_tokens": 0}, 0),  # vLLM skips the query pass: no new trees
-    ({"num_speculative_tokens": 15, "dummy_run": True}, 0),
+@pytest.mark.parametrize(("kwargs", "real"), [
+    ({"num_speculative_tokens": 15}, True),
+    ({"num_speculative_tokens": 0}, False),  # vLLM skips the query pass: no new trees
+    ({"num_speculative_tokens": 15, "dummy_run": True}, False),
 ])
-def test_propose_commits_only_new_trees(monkeypatch, kwargs, commits):
+def test_propose_after_the_pass(monkeypatch, kwargs, real):
+    """After a real drafter pass: the NaN/inf report, and the chain fallback of the
+    chain-flagged requests (their batch rows and request states); after a dummy pass:
+    its count dropped, and the trees it stored at the dummy batch's states dropped; a
+    step without a query pass: neither."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
     from vllm_ddtree.gpu.speculator import DDTreeSpeculator
 
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *a, **k: "drafts")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no GPU here
     binding, _ = _binding()
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.trees, spec.online, spec._accepted = binding.trees, None, None
+    spec.device, spec.draft_tokens = torch.device("cpu"), None
     spec._nonfinite = NonfiniteCount("cpu")
     spec._nonfinite.add(torch.tensor([True, False]))  # this pass's NaN/inf request
-    done = []
-    monkeypatch.setattr(binding.trees, "commit", lambda *a: done.append(a))
-    batch = SimpleNamespace(num_reqs=2, idx_mapping_np=np.array([0, 1]), idx_mapping=None)
+    binding.trees.add_request(3, as_chain=True)
+    chains, drops = [], []
+    monkeypatch.setattr(binding.trees, "apply_chain_fallback",
+                        lambda rows, states, _: chains.append((rows.tolist(), states.tolist())))
+    monkeypatch.setattr(binding.trees, "drop_trees", lambda s: drops.append(s.tolist()))
+    # batch rows 0, 1, 2 hold states 1, 3, 0; state 3 is verified as a chain
+    batch = SimpleNamespace(num_reqs=3, idx_mapping_np=np.array([1, 3, 0, 2]),
+                            idx_mapping=torch.tensor([1, 3, 0, 2], dtype=torch.int32))
     out = spec.propose(batch, None, None, None, None, None, None, None, None, None, None,
                        **kwargs)
     assert out == "drafts"
-    assert len(done) == commits
+    assert chains == ([([1], [3])] if real else [])
+    assert drops == ([[1, 3, 0]] if kwargs.get("dummy_run") else [])
     # a real pass reports (its copy brings the count); a dummy pass's count is dropped
-    assert spec._nonfinite.seen == commits
+    assert spec._nonfinite.seen == real
     spec._nonfinite.report()
     assert spec._nonfinite.seen == (0 if kwargs.get("dummy_run") else 1)
 
@@ -665,3 +677,48 @@ def test_target_step_builds_metadata_for_the_target_groups_only(v2_stubs, monkey
     assert seen[0] == [[tree], [], [other_tree]]
     assert seen[1] is seen[0]
     assert attn_groups == [[tree, draft], [draft], [other_tree]]  # vLLM's list untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sample_from_anchor", [False, True])  # DFlash, DSpark
+def test_batch_states_read_vllms_dflash_input_kernel(sample_from_anchor):
+    """The drafter pass stores each tree at the request state vLLM's own DFlash input
+    kernel wrote for its batch row: the batch's states in batch order, -1 in the rows a
+    padded CUDA graph adds (on a GPU: vLLM compiles its kernels only where one is)."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
+    from vllm_ddtree.gpu.speculator import DDTreeSpeculator
+
+    dev = torch.device("cuda")
+    budget, depth, max_reqs, max_tokens = 7, 3, 6, 128
+    num_query = depth if sample_from_anchor else 1 + depth
+    q_lens = [1 + budget] * 3  # three tree verifies
+    n = len(q_lens)
+    qsl = torch.tensor([0] + np.cumsum(q_lens).tolist(), dtype=torch.int32, device=dev)
+
+    def ints(size, dtype=torch.int64, fill=0):
+        return torch.full((size,), fill, dtype=dtype, device=dev)
+
+    buffers = SimpleNamespace(input_ids=ints(max_tokens, torch.int32),
+                              positions=ints(max_tokens),
+                              is_padding=ints(max_tokens, torch.bool),
+                              query_start_loc=ints(max_reqs + 1, torch.int32),
+                              seq_lens=ints(max_reqs, torch.int32))
+    batch = SimpleNamespace(num_reqs=n, num_scheduled_tokens=np.array(q_lens),
+                            positions=torch.arange(int(qsl[-1]), device=dev) + 50,
+                            query_start_loc=qsl,
+                            idx_mapping=torch.tensor([4, 0, 2], dtype=torch.int32, device=dev))
+    spec = SimpleNamespace(sample_idx_mapping=ints(max_reqs * budget, fill=-1), budget=budget)
+    spec.sample_idx_mapping[: max_reqs * budget: budget] = 5  # stale rows of a last step
+    samples = max_reqs * budget
+    prepare_dflash_inputs(
+        buffers, ints(max_tokens), ints(max_tokens), ints(max_tokens), ints(samples),
+        ints(samples), spec.sample_idx_mapping, torch.ones(samples, device=dev),
+        ints(samples), batch, torch.ones(n, dtype=torch.int32, device=dev),
+        torch.zeros(n, dtype=torch.int32, device=dev), ints(max_reqs), ints(max_reqs),
+        torch.ones(max_reqs, device=dev), ints(max_reqs),
+        torch.arange(max_reqs * 8, dtype=torch.int32, device=dev).view(max_reqs, 8),
+        16, 0, 1, 1, 9, num_query, budget, max_reqs, max_tokens, 1024,
+        sample_from_anchor=sample_from_anchor)
+    # a graph of 5 requests replays this batch of 3
+    assert DDTreeSpeculator._batch_states(spec, 5).tolist() == [4, 0, 2, -1, -1]

@@ -75,7 +75,8 @@ _V2_READS = (
             "logits_indices cu_num_logits cu_num_logits_np"),
     *_attrs("vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator",
             "num_speculative_steps use_draft_logits max_num_reqs max_num_tokens "
-            "speculative_config model vllm_config sample_indices draft_tokens "
+            "speculative_config model vllm_config sample_indices sample_idx_mapping "
+            "draft_tokens "
             "num_query_per_req draft_attn_layer_names device _run_model _generate_draft "
             "_num_graph_context_tokens propose load_model"),
     *_attrs("vllm.v1.worker.gpu.spec_decode.dspark.speculator:DSparkSpeculator",

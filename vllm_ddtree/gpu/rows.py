@@ -1,23 +1,21 @@
-"""Per-step verify rows, and the commit of a batch's trees to its request states.
+"""Per-step verify rows.
 
 vLLM lays a decode step out as one block of query rows per request (``query_start``).
 A request whose every row is a logits row (``num_logits == q_len > 1``) is a tree
 verify: its row ``i`` is tree row ``i`` (0 = root).  Everything else (prefill chunks,
 draft-less decodes) is causal.
 
-* :func:`fill_tree_rows` writes, for every request with ``q_len <= W`` (``W = 1 +
-  budget``), each row's ancestor bits over its own request's rows (``[T, NW]`` int32,
-  ``NW = ceil(W / 32)``), every row's RoPE position (tree rows: ``root position +
-  depth``; the rest: vLLM's), and each request's prefix length and recompute range for
-  the tree attention.  Trees come from per-request-state buffers (``bits_by_state [S, W,
-  NW]``, ``depth_by_state [S, W]``) gathered with ``idx_mapping`` because vLLM reorders
-  requests between steps.
-* :func:`commit_states` copies batch rows of the drafter's tree buffers to their request
-  states: one launch for the four buffers.
+:func:`fill_tree_rows` writes, for every request with ``q_len <= W`` (``W = 1 +
+budget``), each row's ancestor bits over its own request's rows (``[T, NW]`` int32,
+``NW = ceil(W / 32)``), every row's RoPE position (tree rows: ``root position +
+depth``; the rest: vLLM's), and each request's prefix length and recompute range for
+the tree attention.  Trees come from per-request-state buffers (``bits_by_state [S, W,
+NW]``, ``depth_by_state [S, W]``) gathered with ``idx_mapping`` because vLLM reorders
+requests between steps.
 
-Each has a torch reference (``*_torch``) that the tests compare its Triton launcher
-(``*_triton``) to; the plain name picks one (:func:`~vllm_ddtree.kernels.triton_utils.use_triton`).
-No vLLM import.
+:func:`fill_tree_rows_torch` is the reference that the tests compare the Triton launcher
+(:func:`fill_tree_rows_triton`) to; :func:`fill_tree_rows` picks one
+(:func:`~vllm_ddtree.kernels.triton_utils.use_triton`).  No vLLM import.
 """
 
 from __future__ import annotations
@@ -187,62 +185,3 @@ def fill_tree_rows_triton(
         bits_by_state.stride(1), depth_by_state.stride(0), out_bits.stride(0),
         MAX_ROWS=max_rows, NUM_WORDS=num_words, BLOCK_R=next_pow2(max_rows),
         BLOCK_W=next_pow2(num_words), BLOCK_P=256, num_warps=4)
-
-
-# --------------------------------------------------------------------------- commit
-
-
-def commit_states_torch(
-    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],  # (batch [S, ...], by state [S, ...])
-    num_reqs: int,
-) -> None:
-    """Reference of :func:`commit_states`."""
-    states = idx_mapping[:num_reqs].long()
-    for src, dst in pairs:
-        dst[states] = src[:num_reqs]
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _commit_states_kernel(IDX, S0, D0, S1, D1, S2, D2, S3, D3,
-                              LEN0: tl.constexpr, LEN1: tl.constexpr, LEN2: tl.constexpr,
-                              LEN3: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        s = tl.load(IDX + r).to(tl.int64)
-        _copy_span(S0 + r * LEN0, D0 + s * LEN0, LEN0, BLOCK)
-        _copy_span(S1 + r * LEN1, D1 + s * LEN1, LEN1, BLOCK)
-        _copy_span(S2 + r * LEN2, D2 + s * LEN2, LEN2, BLOCK)
-        _copy_span(S3 + r * LEN3, D3 + s * LEN3, LEN3, BLOCK)
-
-
-def commit_states(
-    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],  # 4 x (batch [S, ...], by state [S, ...])
-    num_reqs: int,
-) -> None:
-    """Copy rows ``0..num_reqs`` of each batch buffer to the rows of their request
-    states: one launch for the four buffers on the GPU.  Every buffer is contiguous and
-    each pair has one shape and dtype."""
-    if num_reqs == 0:
-        return
-    commit = commit_states_triton if use_triton(idx_mapping) else commit_states_torch
-    commit(idx_mapping, pairs, num_reqs)
-
-
-def commit_states_triton(
-    idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-    pairs: list[tuple[torch.Tensor, torch.Tensor]],  # 4 x (batch [S, ...], by state [S, ...])
-    num_reqs: int,
-) -> None:
-    """The Triton launcher of :func:`commit_states`."""
-    assert len(pairs) == 4
-    args, lens = [], []
-    for src, dst in pairs:
-        assert src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
-        args += [src, dst]
-        lens.append(src.stride(0))  # elements per row (contiguous)
-    block = min(1024, next_pow2(max(lens)))
-    _commit_states_kernel[(num_reqs,)](idx_mapping, *args, LEN0=lens[0], LEN1=lens[1],
-                                       LEN2=lens[2], LEN3=lens[3], BLOCK=block, num_warps=4)

@@ -14,11 +14,10 @@ Subclass of ``DFlashSpeculator`` (named by
   attention metadata builders from them);
 * ``_generate_draft`` (captured in vLLM's FULL CUDA graph): the drafter's ``D``
   per-depth logits -> :func:`build_tree` on the GPU -> ``B`` draft tokens plus the
-  tree metadata;
+  tree metadata, stored at each request's state;
 * ``propose``: before the drafter pass, compact the target KV of the accepted path and
-  move the accepted rows' hidden states first (stock DFlash then treats them as the
-  first ``k + 1`` verify rows); after it, chain fallbacks and the commit of the trees to
-  their request states.
+  move the accepted rows' hidden states first, in place (stock DFlash then treats them
+  as the first ``k + 1`` verify rows); after it, the chain fallbacks.
 
 The verifier hands the accepted paths back through :meth:`accept` (called once per
 verify step, before the ``propose`` of the same step reads them).
@@ -28,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
@@ -41,7 +41,7 @@ from vllm_ddtree.gpu.attention import (
     DDTreeFlashAttentionImpl,
     check_target_layer,
 )
-from vllm_ddtree.gpu.compaction import KVCompactor, hidden_row_perm
+from vllm_ddtree.gpu.compaction import KVCompactor
 from vllm_ddtree.gpu.model_state import DDTreeModelState
 from vllm_ddtree.gpu.nonfinite_count import NonfiniteCount
 from vllm_ddtree.gpu.step_rows import StepRows
@@ -160,7 +160,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         hidden_states = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                         num_tokens_across_dp, cudagraph_runtime_mode)
         tree, draft_logits = self._draft_tree(hidden_states, num_reqs)
-        bad = self.trees.store_batch(tree, draft_logits, self.draft_tokens)
+        bad = self.trees.store_batch(tree, draft_logits, self.draft_tokens,
+                                     self._batch_states(num_reqs))
         self._nonfinite.add(bad)
         if self.online is not None:  # an emptied tree expects nothing
             self.online.store(tree.scores.masked_fill(bad.unsqueeze(1), float("-inf")))
@@ -191,6 +192,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         if self._tree_budgets is None:
             return super()._num_graph_context_tokens(num_reqs)
         return min(num_reqs * (1 + self._tree_budgets[num_reqs]), self.max_num_tokens)
+
+    def _batch_states(self, num_reqs: int) -> torch.Tensor:  # [num_reqs] int64 view
+        """The request state of each batch row of the drafter pass, -1 in rows past the
+        batch (CUDA-graph padding): vLLM's DFlash input kernel writes each request's
+        state at its first sample row (``budget`` per request) and -1 in the rest, into
+        a buffer the pass's graph reads at replay."""
+        return self.sample_idx_mapping[: num_reqs * self.budget: self.budget]
 
     def _sample_rows(self, num_reqs: int) -> torch.Tensor:  # [num_reqs * max_depth]
         """The drafter rows whose logits draft depths 1..D, request-major: vLLM's DFlash
@@ -229,48 +237,53 @@ class DDTreeSpeculator(DFlashSpeculator):
     ) -> torch.Tensor:  # [num_reqs, budget]
         accepted, self._accepted = self._accepted, None
         if accepted is not None and not dummy_run:
-            self._compact(accepted, input_batch, slot_mappings)
-            num_rows = (aux_hidden_states[0] if aux_hidden_states else
-                        last_hidden_states).shape[0]
-            # [num_rows]: hidden-state row that moves to each row (accepted path first)
-            perm = hidden_row_perm(input_batch.logits_indices, accepted.src_logit_row,
-                                   num_rows, self.max_num_tokens)
-            if aux_hidden_states:
-                aux_hidden_states = [torch.cat(aux_hidden_states, dim=-1)[perm]]
-            else:
-                last_hidden_states = last_hidden_states[perm]
+            # the hidden states the drafter reads move with the KV (in place: vLLM reads
+            # them only here)
+            self._compact(accepted, input_batch, slot_mappings,
+                          aux_hidden_states or [last_hidden_states])
         out = super().propose(
             input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
             num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
             dp_sync_state=dp_sync_state, dummy_run=dummy_run,
             skip_attn_for_dummy_run=skip_attn_for_dummy_run, mm_inputs=mm_inputs,
             is_profile=is_profile, num_speculative_tokens=num_speculative_tokens)
-        if dummy_run:  # warm-up/capture inputs are not a drafter failure
+        num_reqs = input_batch.num_reqs
+        if dummy_run:
+            # warm-up inputs are not a drafter failure, and the pass stored the dummy
+            # batch's trees at its states (a live request there keeps its bonus token)
             self._nonfinite.reset()
+            self.trees.drop_trees(input_batch.idx_mapping[:num_reqs])
         elif num_speculative_tokens != 0:  # 0: vLLM skipped the drafter's query pass
             self._nonfinite.report()
-            num_reqs = input_batch.num_reqs
-            chain_rows = self.trees.chain_rows(input_batch.idx_mapping_np[:num_reqs])
+            states_np = input_batch.idx_mapping_np[:num_reqs]
+            chain_rows = self.trees.chain_rows(states_np)
             if chain_rows.size:  # host flags only: no device read
-                # pinned + non_blocking: an asynchronous copy (pageable memory would sync)
-                rows = torch.from_numpy(chain_rows).pin_memory().to(self.device,
-                                                                    non_blocking=True)
-                self.trees.apply_chain_fallback(rows, self.draft_tokens)
-            self.trees.commit(input_batch.idx_mapping, num_reqs)
+                # [2, m] batch rows and their states; pinned + non_blocking: an
+                # asynchronous copy (pageable memory would sync)
+                rows = torch.from_numpy(np.stack([chain_rows, states_np[chain_rows]]))
+                rows = rows.pin_memory().to(self.device, non_blocking=True)
+                self.trees.apply_chain_fallback(rows[0], rows[1], self.draft_tokens)
             if self.online is not None:
                 self.online.publish(num_reqs)
         return out
 
-    def _compact(self, accepted: Accepted, input_batch: InputBatch,
-                 slot_mappings: dict[str, torch.Tensor]) -> None:
+    def _compact(
+        self,
+        accepted: Accepted,
+        input_batch: InputBatch,
+        slot_mappings: dict[str, torch.Tensor],
+        hidden: list[torch.Tensor],  # each [num_tokens, width] read by the drafter
+    ) -> None:
         """Copy each accepted node's target K/V to the slot of its depth, in every
-        target attention layer (grouped by slot mapping = KV-cache group)."""
+        target attention layer (grouped by slot mapping = KV-cache group), and its rows
+        of ``hidden`` to the row of its depth (with the first group: one launch)."""
         if self._compactors is None:
             self._compactors = self._make_compactors(slot_mappings)
         for layer_name, compactor in self._compactors:
             compactor(slot_mappings[layer_name], input_batch.logits_indices,
                       input_batch.cu_num_logits, accepted.path, accepted.num_accepted,
-                      accepted.num_reqs)
+                      accepted.num_reqs, hidden)
+            hidden = []
 
     def _make_compactors(
         self, slot_mappings: dict[str, torch.Tensor]

@@ -4,19 +4,19 @@
 :class:`~vllm_ddtree.gpu.speculator.DDTreeSpeculator` and changed only through its own
 methods, all on the GPU with no host sync:
 
-1. ``propose`` of step t (drafter pass, tree build) stores the batch's trees in batch
-   order (:meth:`TreeStates.store_batch`, inside the drafter's CUDA graph), turns
+1. ``propose`` of step t (drafter pass, tree build) stores the batch's trees at the rows
+   of their request states (:meth:`TreeStates.store_batch`, inside the drafter's CUDA
+   graph: each batch row's state comes from a device buffer the graph reads), then turns
    requests that must be verified as a chain into chains
-   (:meth:`~TreeStates.apply_chain_fallback`) and scatters the batch rows to the rows
-   of their request states (:meth:`~TreeStates.commit`), as vLLM stores its
-   ``draft_tokens``;
+   (:meth:`~TreeStates.apply_chain_fallback`);
 2. step t + 1: the model state has :meth:`~TreeStates.fill_rows` write the step's
    verify rows (:class:`~vllm_ddtree.gpu.step_rows.StepRows`); the target runs; the
    verifier walks the trees along the target's tokens (:meth:`~TreeStates.walk`).
 
 A new request's slot is cleared by the model state (:meth:`~TreeStates.add_request`,
-which also records whether the request is verified as a chain).  Pure torch (no vLLM
-import), so it is tested on CPU.
+which also records whether the request is verified as a chain); the trees a warm-up
+pass wrote are dropped (:meth:`~TreeStates.drop_trees`).  Pure torch (no vLLM import),
+so it is tested on CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_ddtree.gpu.rows import causal_words, commit_states
+from vllm_ddtree.gpu.rows import causal_words
 from vllm_ddtree.gpu.step_rows import StepRows
 from vllm_ddtree.gpu.tree_store import store_trees
 from vllm_ddtree.gpu.walk import Accepted, walk_rows
@@ -57,20 +57,16 @@ class TreeStates:
         # [S, B] int64: node j's token for the walk (-1: never accepted)
         self._walk_tokens = torch.full((max_num_reqs, budget), -1, dtype=torch.int64,
                                        device=device)
-        # by batch row (written by the drafter pass, possibly inside a CUDA graph)
-        self._batch_ancestor_bits = self._ancestor_bits.clone()  # [S, W, NW]
-        self._batch_depths = self._depths.clone()  # [S, W]
-        self._batch_parents = self._parents.clone()  # [S, B]
-        self._batch_walk_tokens = self._walk_tokens.clone()  # [S, B]
         # [S, D] int64: the drafter's top-1 token per depth (-1: NaN/inf draft logits)
-        self._batch_chain = torch.zeros((max_num_reqs, max_depth), dtype=torch.int64,
-                                        device=device)
-        # the chain every fallback request gets (its tokens come from _batch_chain)
+        self._chain = torch.zeros((max_num_reqs, max_depth), dtype=torch.int64,
+                                  device=device)
+        # the chain every fallback request gets (its tokens come from _chain)
         self._chain_ancestor_bits = causal  # [W, NW]
         self._chain_depths = torch.arange(width, device=device)  # [W]
         self._chain_parents = torch.arange(budget, device=device)  # [B]
-        # [S] host bools: verify this request state as a chain
+        # [S] host bools: verify this request state as a chain; how many are set
         self._chain_flag = np.zeros(max_num_reqs, dtype=bool)
+        self._num_chain_flags = 0
 
     # -- what the verifier reads -------------------------------------------------------
     @property
@@ -89,11 +85,20 @@ class TreeStates:
         step before this request's first tree accepts nothing; a device fill, no sync)
         and ``as_chain`` says whether its drafts are verified as a chain."""
         self._walk_tokens[req_index].fill_(-1)
+        self._num_chain_flags += int(as_chain) - int(self._chain_flag[req_index])
         self._chain_flag[req_index] = as_chain
+
+    def drop_trees(self, states: torch.Tensor) -> None:  # [n] request states
+        """The trees of ``states`` are never accepted (their next verify keeps the bonus
+        token only, which is exact whatever else the rows hold): for the states a
+        warm-up pass (vLLM's dummy run) stored trees in.  One device write, no sync."""
+        self._walk_tokens.index_fill_(0, states.long(), -1)
 
     def chain_rows(self, idx_mapping_np: np.ndarray) -> np.ndarray:  # [m] int64
         """The batch rows (of ``idx_mapping_np``, batch row -> state) verified as a
         chain: host flags only."""
+        if not self._num_chain_flags:  # the common case: no request needs a chain
+            return np.empty(0, dtype=np.int64)
         return np.flatnonzero(self._chain_flag[idx_mapping_np])
 
     # -- drafter side ----------------------------------------------------------------
@@ -102,48 +107,41 @@ class TreeStates:
         tree: DraftTree,  # num_reqs trees of at most budget nodes
         draft_logits: torch.Tensor,  # [num_reqs, max_depth, vocab]
         draft_tokens: torch.Tensor,  # [max_num_reqs, budget] the speculator's draft tokens
+        states: torch.Tensor,  # [num_reqs] int64 request state of each row (-1: none)
     ) -> torch.Tensor:  # [num_reqs] bool
-        """Write the batch's trees (one kernel, :func:`store_trees`; graph-capturable);
-        slots past a narrower tree's nodes are never accepted.
+        """Write the batch's draft tokens (by batch row) and its trees at the rows of
+        their request states (one kernel, :func:`store_trees`; graph-capturable); slots
+        past a narrower tree's nodes are never accepted, a row of state -1 (CUDA-graph
+        padding) writes no tree.
         Requests whose draft logits hold NaN/inf get an empty tree and an empty chain
         (bonus token only); returns their mask.
         The drafter's chain and the NaN/inf mask are the tree build's by-products
         (``tree.top1``, ``tree.nonfinite``), else read from ``draft_logits``."""
         bad = nonfinite_requests(tree, draft_logits)
         top1 = tree.top1 if tree.top1 is not None else draft_logits.argmax(dim=-1)
-        store_trees(tree.token_ids, tree.parents, tree.depths, bad, top1, draft_tokens,
-                    self._batch_walk_tokens, self._batch_parents, self._batch_depths,
-                    self._batch_ancestor_bits, self._batch_chain)
+        store_trees(tree.token_ids, tree.parents, tree.depths, bad, top1, states,
+                    draft_tokens, self._walk_tokens, self._parents, self._depths,
+                    self._ancestor_bits, self._chain)
         return bad
 
     def apply_chain_fallback(
         self,
         rows: torch.Tensor,  # [m] int64 batch rows to verify as a chain
+        states: torch.Tensor,  # [m] int64 their request states
         draft_tokens: torch.Tensor,  # [max_num_reqs, budget]
     ) -> None:
-        """Batch rows ``rows`` become chains: the drafter's top-1 token per depth, then
-        filler rows that are never accepted."""
+        """The trees of ``states`` (stored by the batch rows ``rows``) become chains:
+        the drafter's top-1 token per depth, then filler rows that are never
+        accepted."""
         filler = self.budget - self.max_depth  # rows past the chain's last depth
-        chain = self._batch_chain[rows]  # [m, D]
+        chain = self._chain[states]  # [m, D]
         tokens = torch.cat([chain, chain[:, -1:].expand(-1, filler)], dim=1).clamp(min=0)
         walk = torch.cat([chain, torch.full_like(chain[:, :1], -1).expand(-1, filler)], 1)
         draft_tokens[rows] = tokens.to(draft_tokens.dtype)
-        self._batch_walk_tokens[rows] = walk
-        self._batch_parents[rows] = self._chain_parents
-        self._batch_depths[rows] = self._chain_depths
-        self._batch_ancestor_bits[rows] = self._chain_ancestor_bits
-
-    def commit(
-        self,
-        idx_mapping: torch.Tensor,  # [num_reqs] int32 batch row -> request state
-        num_reqs: int,
-    ) -> None:
-        """Scatter batch rows ``0..num_reqs`` to their request states (one launch on
-        the GPU: :func:`~vllm_ddtree.gpu.rows.commit_states`)."""
-        commit_states(idx_mapping, [(self._batch_ancestor_bits, self._ancestor_bits),
-                                    (self._batch_depths, self._depths),
-                                    (self._batch_parents, self._parents),
-                                    (self._batch_walk_tokens, self._walk_tokens)], num_reqs)
+        self._walk_tokens[states] = walk
+        self._parents[states] = self._chain_parents
+        self._depths[states] = self._chain_depths
+        self._ancestor_bits[states] = self._chain_ancestor_bits
 
     # -- target side ----------------------------------------------------------------
     def fill_rows(

@@ -1,10 +1,11 @@
 """One launch that stores a batch of draft trees as verify metadata.
 
 Given the best-first trees of a batch (:class:`~vllm_ddtree.tree.DraftTree` fields), the
-mask of requests whose draft logits held NaN/inf and the drafter's top-1 token per depth,
-:func:`store_trees` writes what the verify step reads: the draft tokens, the walk tokens,
-the parents, the per-row depths, the ancestor-or-self bits of every verify row and the
-chain fallback.  The torch reference is the core's own functions
+mask of requests whose draft logits held NaN/inf, the drafter's top-1 token per depth
+and the request state of every batch row, :func:`store_trees` writes what the verify
+step reads: the draft tokens (by batch row, as vLLM's drafter hands them over) and, by
+request state, the walk tokens, the parents, the per-row depths, the ancestor-or-self
+bits of every verify row and the chain fallback.  The torch reference is the core's own functions
 (:func:`~vllm_ddtree.tree.drop_nonfinite`, :func:`~vllm_ddtree.tree.tree_layout`, clamps),
 about 35 small kernels; the Triton kernel is one program per request.
 
@@ -28,6 +29,7 @@ def _check_shapes(
     depths: torch.Tensor,
     bad: torch.Tensor,
     top1: torch.Tensor,
+    states: torch.Tensor,
     outs: tuple[torch.Tensor, ...],
 ) -> None:
     """Shape checks on metadata only (no device access)."""
@@ -37,8 +39,10 @@ def _check_shapes(
     B = out_walk.shape[-1]
     W = B + 1
     NW = (W + 31) // 32
-    if parents.shape != (R, N) or depths.shape != (R, N) or bad.shape != (R,):
-        raise ValueError("store_trees: token_ids, parents, depths must be [R, N], bad [R]")
+    if (parents.shape != (R, N) or depths.shape != (R, N) or bad.shape != (R,)
+            or states.shape != (R,)):
+        raise ValueError("store_trees: token_ids, parents, depths must be [R, N], bad and "
+                         "states [R]")
     if N > B:
         raise ValueError(f"store_trees: trees of {N} nodes do not fit outputs of {B}")
     if top1.shape[0] != R:
@@ -49,6 +53,8 @@ def _check_shapes(
         if out.dim() != 1 + len(tail) or tuple(out.shape[1:]) != tail or out.shape[0] < R:
             raise ValueError(f"store_trees: an output of shape {tuple(out.shape)} is not "
                              f"[>={R}, {', '.join(map(str, tail))}]")
+    if len({out.shape[0] for out in outs[1:]}) != 1:
+        raise ValueError("store_trees: the outputs by request state differ in length")
 
 
 def store_trees_torch(
@@ -57,12 +63,13 @@ def store_trees_torch(
     depths: torch.Tensor,  # [R, N] int64
     bad: torch.Tensor,  # [R] bool
     top1: torch.Tensor,  # [R, D] int64
-    out_draft_tokens: torch.Tensor,  # [>=R, B] int64 or int32
-    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
-    out_parents: torch.Tensor,  # [>=R, B] int64
-    out_depths: torch.Tensor,  # [>=R, B + 1] int64
-    out_bits: torch.Tensor,  # [>=R, B + 1, NW] int32
-    out_chain: torch.Tensor,  # [>=R, D] int64
+    states: torch.Tensor,  # [R] int64 request state of each row, -1: none
+    out_draft_tokens: torch.Tensor,  # [>=R, B] int64 or int32, by batch row
+    out_walk_tokens: torch.Tensor,  # [S, B] int64, by request state (as below)
+    out_parents: torch.Tensor,  # [S, B] int64
+    out_depths: torch.Tensor,  # [S, B + 1] int64
+    out_bits: torch.Tensor,  # [S, B + 1, NW] int32
+    out_chain: torch.Tensor,  # [S, D] int64
 ) -> None:
     """Reference of :func:`store_trees`: the core's functions on a copy of the trees,
     widened to the outputs' ``B`` slots.  The inputs are not modified."""
@@ -83,26 +90,32 @@ def store_trees_torch(
     drop_nonfinite(tree, logits.masked_fill(bad.view(R, 1, 1), float("nan")))
     layout = tree_layout(tree, torch.zeros(R, dtype=torch.int64, device=dev))
     out_draft_tokens[:R].copy_(tree.token_ids.clamp(min=0))
-    out_walk_tokens[:R].copy_(tree.token_ids)
-    out_parents[:R].copy_(tree.parents.clamp(min=0))
-    out_depths[:R].copy_(layout.depths)
-    out_bits[:R].copy_(layout.ancestor_bits)
-    out_chain[:R].copy_(top1.masked_fill(bad.unsqueeze(1), -1))
+    rows = states >= 0  # a boolean index: the reference may read the device
+    dst = states[rows].long()
+    out_walk_tokens[dst] = tree.token_ids[rows]
+    out_parents[dst] = tree.parents.clamp(min=0)[rows]
+    out_depths[dst] = layout.depths[rows]
+    out_bits[dst] = layout.ancestor_bits[rows]
+    out_chain[dst] = top1.masked_fill(bad.unsqueeze(1), -1)[rows]
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _store_trees_kernel(
-        TOK, PAR, DEP, BAD, TOP1,
+        TOK, PAR, DEP, BAD, TOP1, STATE,
         OUT_DRAFT, OUT_WALK, OUT_PAR, OUT_DEP, OUT_BITS, OUT_CHAIN,
-        s_tok, s_par, s_dep, s_top1, s_top1_d, s_draft, s_walk, s_opar, s_odep, s_bits_r, s_bits_w,
-        s_chain,
+        s_tok, s_par, s_dep, s_top1, s_top1_d, s_state, s_draft, s_walk, s_opar, s_odep,
+        s_bits_r, s_bits_w, s_chain,
         N: tl.constexpr, B: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_NW: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
+        # the request state this row's tree goes to (-1: a padding row, draft tokens only)
+        s = tl.load(STATE + r * s_state).to(tl.int64)
+        kept = (s >= 0).to(tl.int32)  # 0: every store below has no lane
+        s = tl.maximum(s, 0)
         good = tl.load(BAD + r) == 0
         # slots read from the inputs (N of the B output slots; a bad tree is empty)
         n_live = tl.where(good, N, 0)
@@ -116,15 +129,15 @@ if HAS_TRITON:
         par = tl.load(par_row + j, mask=keep, other=-1)
         tl.store(OUT_DRAFT + r * s_draft + j,
                  tl.maximum(tok, 0).to(OUT_DRAFT.dtype.element_ty), mask=jm)
-        tl.store(OUT_WALK + r * s_walk + j, tok, mask=jm)
-        tl.store(OUT_PAR + r * s_opar + j, tl.maximum(par, 0), mask=jm)
+        tl.store(OUT_WALK + s * s_walk + j, tok, mask=j < B * kept)
+        tl.store(OUT_PAR + s * s_opar + j, tl.maximum(par, 0), mask=j < B * kept)
 
         # verify rows: row 0 is the root (depth 0, no parent), row i >= 1 is node i - 1
         i = tl.arange(0, BLOCK_W)
         im = i < B + 1
         node = (i >= 1) & (i < n_live + 1)
         dep = tl.load(DEP + r * s_dep + i - 1, mask=node, other=0)
-        tl.store(OUT_DEP + r * s_odep + i, dep, mask=im)
+        tl.store(OUT_DEP + s * s_odep + i, dep, mask=i < (B + 1) * kept)
 
         # ancestor-or-self bits: each row's own bit, then its parent chain up to the root
         # (a row at depth d has d ancestors; unused rows, parent -1, only themselves)
@@ -142,14 +155,14 @@ if HAS_TRITON:
             anc = tl.load(par_row + anc - 1, mask=anc >= 1, other=-1).to(tl.int64)
         # int32 words, bit 31 as the sign bit
         bits = tl.where(bits >= 2147483648, bits - 4294967296, bits).to(tl.int32)
-        tl.store(OUT_BITS + r * s_bits_r + i[:, None] * s_bits_w + w[None, :], bits,
-                 mask=im[:, None] & (w < NW)[None, :])
+        tl.store(OUT_BITS + s * s_bits_r + i[:, None] * s_bits_w + w[None, :], bits,
+                 mask=im[:, None] & (w < NW * kept)[None, :])
 
         # the chain fallback: top-1 per depth, -1 for a bad request
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         t1 = tl.load(TOP1 + r * s_top1 + d * s_top1_d, mask=dm, other=-1)
-        tl.store(OUT_CHAIN + r * s_chain + d, tl.where(good, t1, -1), mask=dm)
+        tl.store(OUT_CHAIN + s * s_chain + d, tl.where(good, t1, -1), mask=d < D * kept)
 
 
 def store_trees(
@@ -158,14 +171,18 @@ def store_trees(
     depths: torch.Tensor,  # [R, N] int64 node depth 1..D, 0 unused
     bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
     top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
+    states: torch.Tensor,  # [R] int64 request state of each row (-1: none); may be strided
     out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
-    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
-    out_parents: torch.Tensor,  # [>=R, B] int64
-    out_depths: torch.Tensor,  # [>=R, W] int64, W = B + 1
-    out_bits: torch.Tensor,  # [>=R, W, NW] int32, NW = ceil(W / 32)
-    out_chain: torch.Tensor,  # [>=R, D] int64
+    out_walk_tokens: torch.Tensor,  # [S, B] int64
+    out_parents: torch.Tensor,  # [S, B] int64
+    out_depths: torch.Tensor,  # [S, W] int64, W = B + 1
+    out_bits: torch.Tensor,  # [S, W, NW] int32, NW = ceil(W / 32)
+    out_chain: torch.Tensor,  # [S, D] int64
 ) -> None:
-    """Write rows ``0..R`` of the outputs (later rows are untouched):
+    """Write rows ``0..R`` of ``out_draft_tokens`` and, for each row ``r`` with
+    ``states[r] >= 0``, row ``states[r]`` of the other outputs (every other row is
+    untouched; a row of state -1, a CUDA-graph padding row, stores its draft tokens
+    only):
 
     * trees of ``N`` nodes fill the first ``N`` of the outputs' ``B`` slots, the rest are
       unused (a smaller tree than the engine's budget: see the speculator's
@@ -177,15 +194,16 @@ def store_trees(
       verify row (:func:`~vllm_ddtree.tree.tree_layout`);
     * ``out_chain = top1``, -1 in bad requests.
 
-    Nodes must be best-first (a node's parent row comes before it).  Graph-capturable:
-    no host sync, no allocation on the GPU.  The inputs are not modified.
+    Nodes must be best-first (a node's parent row comes before it); two rows must not
+    share a state.  On the GPU (the kernel) graph-capturable: no host sync, no
+    allocation.  The inputs are not modified.
     """
     outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
-    _check_shapes(token_ids, parents, depths, bad, top1, outs)
+    _check_shapes(token_ids, parents, depths, bad, top1, states, outs)
     if token_ids.shape[0] == 0:
         return
     store = store_trees_triton if use_triton(token_ids) else store_trees_torch
-    store(token_ids, parents, depths, bad, top1, *outs)
+    store(token_ids, parents, depths, bad, top1, states, *outs)
 
 
 def store_trees_triton(
@@ -194,12 +212,13 @@ def store_trees_triton(
     depths: torch.Tensor,  # [R, N] int64 node depth 1..D, 0 unused
     bad: torch.Tensor,  # [R] bool: this request's draft logits held NaN/inf
     top1: torch.Tensor,  # [R, D] int64 the drafter's best token per depth
+    states: torch.Tensor,  # [R] int64 request state of each row (-1: none); may be strided
     out_draft_tokens: torch.Tensor,  # [>=R, B] (int64 or int32) the speculator's draft tokens
-    out_walk_tokens: torch.Tensor,  # [>=R, B] int64
-    out_parents: torch.Tensor,  # [>=R, B] int64
-    out_depths: torch.Tensor,  # [>=R, W] int64, W = B + 1
-    out_bits: torch.Tensor,  # [>=R, W, NW] int32, NW = ceil(W / 32)
-    out_chain: torch.Tensor,  # [>=R, D] int64
+    out_walk_tokens: torch.Tensor,  # [S, B] int64
+    out_parents: torch.Tensor,  # [S, B] int64
+    out_depths: torch.Tensor,  # [S, W] int64, W = B + 1
+    out_bits: torch.Tensor,  # [S, W, NW] int32, NW = ceil(W / 32)
+    out_chain: torch.Tensor,  # [S, D] int64
 ) -> None:
     """The Triton launcher of :func:`store_trees`: one program per request."""
     outs = (out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain)
@@ -215,10 +234,10 @@ def store_trees_triton(
     block_w = max(16, next_pow2(W))
     block_nw = next_pow2(NW)
     _store_trees_kernel[(R,)](
-        token_ids, parents, depths, bad_u8, top1,
+        token_ids, parents, depths, bad_u8, top1, states,
         out_draft_tokens, out_walk_tokens, out_parents, out_depths, out_bits, out_chain,
         token_ids.stride(0), parents.stride(0), depths.stride(0), top1.stride(0),
-        top1.stride(1),
+        top1.stride(1), states.stride(0),
         out_draft_tokens.stride(0), out_walk_tokens.stride(0), out_parents.stride(0),
         out_depths.stride(0), out_bits.stride(0), out_bits.stride(1), out_chain.stride(0),
         N=N, B=B, D=D, NW=NW,
