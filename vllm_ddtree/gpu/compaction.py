@@ -112,7 +112,8 @@ if HAS_TRITON:
                 # make this row's writes visible before a later pair reads it
                 tl.debug_barrier()
         else:
-            # unused pointer slots repeat H0 and get no program
+            # one branch per pointer argument (a kernel picks among its arguments only by
+            # branching); unused pointer slots repeat H0 and get no program
             h = layer - num_layers
             if h == 0:
                 _move_rows(H0, LI, path, row_start, num_accepted, s_hid, HID_WIDTH, BLOCK_H)
