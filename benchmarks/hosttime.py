@@ -14,13 +14,21 @@ is host-bound, as the SmolLM2-135M pair's is. The same roles (``runner``,
 ``speculator``, ...) exist for DFlash and DDTree engines, so their rows compare method
 by method. A wrapper adds ~0.25 µs per call (measured on this project's CPU machine), to
 every engine alike.
+
+A run's rows against a reference engine, cell by cell (host ms per step and the methods
+that differ most)::
+
+    python3 -m benchmarks.hosttime results.json [--ref dflash@inproc] [--top 12]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
+import json
 import time
+from pathlib import Path
 
 ROLES = ("speculator", "drafter", "model_state", "sampler", "rejection_sampler")
 OWN_MODULES = ("vllm.", "vllm_ddtree.")
@@ -123,3 +131,52 @@ def per_step(snaps: list[dict], steps: int,
     rows = [(k, ns / 1e6 / steps, n / steps) for k, (ns, n) in total.items()]
     rows.sort(key=lambda r: r[1], reverse=True)
     return [(k, round(ms, 4), round(c, 2)) for k, ms, c in rows[:top]]
+
+
+# the runner's two calls per engine step: their sum is the step's host time
+STEP = ("runner.execute_model", "runner.sample_tokens")
+
+
+def step_host_ms(row: dict) -> float:
+    """Host ms per engine step of a ``--host-timing`` row (``execute_model`` plus
+    ``sample_tokens``, which contain every other timed method of the runner)."""
+    ms = {k: v for k, v, _ in row["host_ms_per_step"]}
+    return sum(ms.get(k, 0.0) for k in STEP)
+
+
+def differences(row: dict, ref: dict, top: int) -> list[tuple[str, float, float, float]]:
+    """``(role.method, ms of row, ms of ref, difference)`` per step for the ``top``
+    methods whose host time differs most between the two rows (a method only one of
+    them calls counts 0 in the other)."""
+    a = {k: v for k, v, _ in row["host_ms_per_step"]}
+    b = {k: v for k, v, _ in ref["host_ms_per_step"]}
+    rows = [(k, a.get(k, 0.0), b.get(k, 0.0), a.get(k, 0.0) - b.get(k, 0.0))
+            for k in a.keys() | b.keys()]
+    rows.sort(key=lambda r: (-abs(r[3]), r[0]))
+    return rows[:top]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="host time by method against a reference "
+                                 "engine, from a throughput.py --host-timing results.json")
+    ap.add_argument("results")
+    ap.add_argument("--ref", default="dflash@inproc", help="the engine compared with")
+    ap.add_argument("--top", type=int, default=12, help="methods listed per cell")
+    args = ap.parse_args(argv)
+    rows = json.loads(Path(args.results).read_text())["rows"]
+    cells = {(r["method"], r["temperature"], r["batch"]): r for r in rows
+             if "host_ms_per_step" in r}
+    for (method, temp, batch), row in sorted(cells.items()):
+        ref = cells.get((args.ref, temp, batch))
+        if method == args.ref or ref is None:
+            continue
+        ms, ref_ms = step_host_ms(row), step_host_ms(ref)
+        print(f"{method} T={temp:g} batch={batch}: {ms:.3f} ms host per step, "
+              f"{args.ref} {ref_ms:.3f} ({ms - ref_ms:+.3f}); tau {row['tau']:.2f} / "
+              f"{ref['tau']:.2f}")
+        for key, a, b, diff in differences(row, ref, args.top):
+            print(f"  {key:<48} {a:8.3f} {b:8.3f} {diff:+8.3f}")
+
+
+if __name__ == "__main__":
+    main()

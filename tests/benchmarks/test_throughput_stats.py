@@ -1,6 +1,8 @@
 """The benchmark harness's statistics (benchmarks/throughput.py), without vLLM: which
 prompts a repeat takes, how a cell totals its runs, and the paired ratio."""
 
+import json
+
 import pytest
 
 from benchmarks.throughput import (
@@ -329,3 +331,33 @@ def test_base_engine_refuses_modules_from_elsewhere(tmp_path):
     with pytest.raises(RuntimeError, match="not from the copy"):
         check_base_modules("ddtree-15@base", tmp_path)
     check_base_modules("ddtree-15@base", Path(vllm_ddtree.__file__).parent.parent)
+
+
+def test_hosttime_compares_each_cell_with_the_reference(tmp_path, capsys):
+    """``python3 -m benchmarks.hosttime``: per cell, the step's host time (the runner's
+    two calls) against the reference engine's, and the methods that differ most, with
+    a method only one engine calls counted as 0 in the other."""
+    from benchmarks.hosttime import differences, main, step_host_ms
+
+    def row(method, batch, ms):
+        return {"method": method, "temperature": 0.0, "batch": batch, "tau": 2.0,
+                "host_ms_per_step": [[k, v, 1.0] for k, v in ms.items()]}
+
+    ref = row("dflash@inproc", 1, {"runner.execute_model": 1.0, "runner.sample_tokens": 1.5,
+                                   "rejection_sampler._verify": 0.4})
+    new = row("ddtree@inproc", 1, {"runner.execute_model": 1.2, "runner.sample_tokens": 1.4,
+                                   "trees.walk": 0.06})
+    lone = row("ddtree@inproc", 8, {"runner.execute_model": 9.0})  # no reference cell
+    assert step_host_ms(new) == pytest.approx(2.6) and step_host_ms(ref) == 2.5
+    diffs = differences(new, ref, top=3)
+    assert [k for k, *_ in diffs] == ["rejection_sampler._verify", "runner.execute_model",
+                                      "runner.sample_tokens"]
+    assert diffs[0][1:] == (0.0, 0.4, -0.4)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [ref, new, lone]}))
+    main([str(path), "--top", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("ddtree@inproc T=0 batch=1: 2.600 ms host per step, dflash@inproc "
+                      "2.500 (+0.100); tau 2.00 / 2.00")
+    assert len(out) == 3 and out[1].split()[0] == "rejection_sampler._verify"
+    assert out[1].split()[1:] == ["0.000", "0.400", "-0.400"]
