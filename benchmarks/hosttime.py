@@ -137,10 +137,15 @@ def per_step(snaps: list[dict], steps: int,
 STEP = ("runner.execute_model", "runner.sample_tokens")
 
 
+def ms_by_method(row: dict) -> dict[str, float]:
+    """``role.method -> host ms per step`` of a ``--host-timing`` row."""
+    return {k: ms for k, ms, _ in row["host_ms_per_step"]}
+
+
 def step_host_ms(row: dict) -> float:
     """Host ms per engine step of a ``--host-timing`` row (``execute_model`` plus
     ``sample_tokens``, which contain every other timed method of the runner)."""
-    ms = {k: v for k, v, _ in row["host_ms_per_step"]}
+    ms = ms_by_method(row)
     return sum(ms.get(k, 0.0) for k in STEP)
 
 
@@ -148,8 +153,7 @@ def differences(row: dict, ref: dict, top: int) -> list[tuple[str, float, float,
     """``(role.method, ms of row, ms of ref, difference)`` per step for the ``top``
     methods whose host time differs most between the two rows (a method only one of
     them calls counts 0 in the other)."""
-    a = {k: v for k, v, _ in row["host_ms_per_step"]}
-    b = {k: v for k, v, _ in ref["host_ms_per_step"]}
+    a, b = ms_by_method(row), ms_by_method(ref)
     rows = [(k, a.get(k, 0.0), b.get(k, 0.0), a.get(k, 0.0) - b.get(k, 0.0))
             for k in a.keys() | b.keys()]
     rows.sort(key=lambda r: (-abs(r[3]), r[0]))
