@@ -37,10 +37,14 @@ class _Sampler:
 
     logprobs_mode, compute_nans, use_fp64_gumbel = "raw_logprobs", False, False
 
-    def __init__(self, temperature, seeded):
+    def __init__(self, temperature, seeded, top_k=None, top_p=None, vocab=8):
         self.calls = []
         temp = np.array(temperature, dtype=np.float32)
+        n = len(temp)
         self.sampling_states = SimpleNamespace(
+            vocab_size=vocab,
+            top_k=SimpleNamespace(np=np.array(top_k or [vocab] * n, dtype=np.int32)),
+            top_p=SimpleNamespace(np=np.array(top_p or [1.0] * n, dtype=np.float32)),
             temperature=SimpleNamespace(np=temp, gpu=torch.from_numpy(temp)),
             seeds=SimpleNamespace(gpu=torch.arange(len(temp), dtype=torch.int64)),
             any_explicit_seed=lambda idx: bool(np.any(np.array(seeded)[idx])))
@@ -87,18 +91,22 @@ def _store_chains(trees, tokens: list[int], num_reqs: int) -> None:
                       torch.arange(num_reqs))
 
 
-@pytest.mark.parametrize(("temperature", "seeded", "rule"), [
-    ([0.0, 0.0], [False, False], "sample"),  # greedy: every row's argmax
-    ([1.0, 0.7], [False, False], "choice"),
-    ([0.0, 1.0], [False, False], "choice"),  # greedy rows take the argmax in the kernel
-    ([1.0, 1.0], [False, True], "sample"),  # a seeded request: vLLM's noise at every row
+@pytest.mark.parametrize(("temperature", "seeded", "masks", "rule"), [
+    ([0.0, 0.0], [False, False], {}, "argmax"),  # greedy: every row's argmax, one launch
+    ([0.0, 0.0], [True, False], {}, "argmax"),  # a seed changes no greedy token
+    ([0.0, 0.0], [False, False], {"top_k": [8, 3]}, "sample"),  # vLLM masks, then argmax
+    ([0.0, 0.0], [False, False], {"top_p": [0.9, 1.0]}, "sample"),
+    ([1.0, 0.7], [False, False], {}, "choice"),
+    ([0.0, 1.0], [False, False], {}, "choice"),  # greedy rows take the argmax in the kernel
+    ([1.0, 1.0], [False, True], {}, "sample"),  # a seeded request: vLLM's noise at every row
 ])
 def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperature, seeded,
-                                                         rule):
+                                                         masks, rule):
     """Sampled batches without per-request seeds: vLLM's processing of the logits, the
     choice rule, the walk, and the stop draws (noise keyed by the requests' seeds);
-    otherwise vLLM's sampler at every row.  Either way the runner gets the walk's
-    tokens and the speculator the accepted paths."""
+    greedy batches without top-k/top-p: vLLM's processing of the logits and their
+    argmax; otherwise vLLM's sampler at every row.  Either way the runner gets the
+    walk's tokens and the speculator the accepted paths."""
     import vllm_ddtree.gpu.verifier as verifier
     from vllm_ddtree.gpu.verify_sampling import choose_children_torch, draw_stop_tokens_torch
 
@@ -122,7 +130,7 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
     monkeypatch.setattr(verifier, "draw_stop_tokens", draw_stop_tokens)
     monkeypatch.setattr(verifier, "get_num_sampled_and_rejected",
                         lambda num_sampled, *args: (num_sampled, torch.zeros_like(num_sampled)))
-    sampler = _Sampler(temperature, seeded)
+    sampler = _Sampler(temperature, seeded, **masks)
     ddtree = object.__new__(verifier.DDTreeVerifier)
     ddtree.sampler, ddtree.binding = sampler, binding
     W = budget + 1
@@ -138,6 +146,7 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
         seq_lens=None)
     out = ddtree(logits, batch, None)
     want = {"sample": ["sample"],
+            "argmax": ["apply_sampling_params(skip_top_k_top_p=True)"],
             "choice": ["apply_sampling_params(skip_top_k_top_p=False)"]}[rule]
     assert sampler.calls == want
     assert len(draws) == (rule == "choice")
@@ -146,6 +155,33 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
     assert out.sampled_token_ids[:, :3].tolist() == [[1, 2, 7]] * 2
     assert out.num_sampled.tolist() == [3, 3]
     assert len(accepted) == 1 and accepted[0].num_accepted.tolist() == [3, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllms_greedy_draw_is_torchs_argmax(dtype):
+    """A greedy batch's verify rows take ``argmax`` of vLLM's processed logits where
+    vLLM's sampler runs its Gumbel kernel at temperature 0: the same token, ties within
+    and across the kernel's 1024-entry blocks and a row of ties included, so DDTree at
+    T = 0 emits what decoding without speculation emits."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    g = torch.Generator().manual_seed(0)
+    V = 3 * 1024 + 77
+    x = torch.randn(64, V, generator=g).mul(2).round().div(2)  # many ties in every row
+    x[0, [5, 2000, V - 1]] = 50.0  # the max in three blocks
+    x[1, [101, 100]] = 50.0  # in one block
+    x[2, [1500, 1024]] = 50.0  # a block's first entry
+    x[3] = 0.0
+    x = x.to(dtype).cuda()
+    n = x.shape[0]
+    drawn = gumbel_sample(x, torch.zeros(n, dtype=torch.int32, device="cuda"),
+                          torch.zeros(1, device="cuda"),
+                          torch.zeros(1, dtype=torch.int64, device="cuda"),
+                          torch.arange(n, device="cuda"), apply_temperature=False,
+                          is_drafting=False)
+    assert drawn[:4].tolist() == [5, 100, 1024, 0]
+    assert torch.equal(drawn, x.argmax(dim=-1))
 
 
 @pytest.mark.parametrize(("kwargs", "real"), [

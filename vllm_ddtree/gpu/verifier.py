@@ -6,6 +6,8 @@
    ``root + depth``: greedy rows take the argmax; at T > 0 each node's token is a draw
    from that node's processed distribution (lossless), and along the accepted path the
    Gumbel noise is the one non-speculative decoding uses at the same positions.
+   An all-greedy batch without top-k/top-p takes that argmax in one launch on vLLM's
+   processed logits (``_draw_rule``), not through the sampler's Gumbel kernel.
    Batches with sampled rows and no per-request seed instead take the choice rule of
    :mod:`~vllm_ddtree.gpu.verify_sampling` (the same distribution; one full-vocabulary
    draw per request, at the row where its walk stops, instead of one per row, with the
@@ -82,7 +84,8 @@ class DDTreeVerifier:
                     input_batch.seq_lens_cpu_upper_bound.numpy())
         logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np)
         states = sampler.sampling_states
-        choice_rule = self._uses_choice_rule(input_batch.idx_mapping_np)
+        rule = self._draw_rule(input_batch.idx_mapping_np)
+        choice_rule = rule == "choice"
 
         # 1. the target's token (or choice) at every row
         if choice_rule:
@@ -91,6 +94,11 @@ class DDTreeVerifier:
                 processed, input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
                 node_positions, states.temperature.gpu, states.seeds.gpu, trees.walk_tokens,
                 trees.parents)
+        elif rule == "argmax":
+            # what vLLM's sampler returns for such a batch (its temperature-0 Gumbel
+            # kernel is an argmax, the first index on ties, as torch's), in one launch
+            processed = sampler.apply_sampling_params(*row_args, skip_top_k_top_p=True)
+            targets = processed.argmax(dim=-1)
         else:
             targets, processed = sampler.sample(
                 *row_args, return_logprobs=logprobs_dims is not None)
@@ -134,10 +142,18 @@ class DDTreeVerifier:
                          states.temperature.gpu, states.seeds.gpu, trees.walk_tokens,
                          trees.parents, trees.max_depth)
 
-    def _uses_choice_rule(self, idx_mapping_np: np.ndarray) -> bool:
-        """Host-side: the batch has a sampled request and none with its own seed (a
-        seeded request gets the tokens it gets without speculation: every row is drawn
-        with vLLM's keyed noise)."""
+    def _draw_rule(self, idx_mapping_np: np.ndarray) -> str:
+        """Host-side, how the batch's rows get their tokens: ``"argmax"`` where every
+        request is greedy and none sets top-k or top-p (vLLM's sampler would mask
+        the processed logits with them before its argmax); ``"choice"`` (the choice
+        rule) where a request samples and none has its own seed (a seeded request gets
+        the tokens it gets without speculation: every row is drawn with vLLM's keyed
+        noise); else ``"sample"``, vLLM's sampler at every row."""
         states = self.sampler.sampling_states
-        return (bool(np.any(states.temperature.np[idx_mapping_np] > 0.0))
-                and not states.any_explicit_seed(idx_mapping_np))
+        temperature = states.temperature.np[idx_mapping_np]
+        if not np.any(temperature > 0.0):
+            vocab = states.vocab_size
+            plain = (np.all(states.top_k.np[idx_mapping_np] == vocab)
+                     and np.all(states.top_p.np[idx_mapping_np] == 1.0))
+            return "argmax" if plain else "sample"
+        return "sample" if states.any_explicit_seed(idx_mapping_np) else "choice"
