@@ -157,6 +157,25 @@ def test_verifier_draws_with_the_choice_rule_when_it_may(monkeypatch, temperatur
     assert len(accepted) == 1 and accepted[0].num_accepted.tolist() == [3, 3]
 
 
+@pytest.mark.parametrize(("temperature", "seeded", "masks", "batch", "rule"), [
+    ([0.0, 0.5, 0.0], [False] * 3, {}, [0, 2], "argmax"),  # only the batch's rows count
+    ([0.0, 0.5, 0.0], [False] * 3, {}, [1, 2], "choice"),
+    ([0.0, 1e-6, 0.0], [False] * 3, {}, [1], "choice"),  # vLLM samples any T != 0
+    ([0.0, 0.0, 0.0], [False] * 3, {"top_k": [8, 8, 7]}, [0, 1], "argmax"),
+    ([0.0, 0.0, 0.0], [False] * 3, {"top_k": [8, 8, 7]}, [2, 0], "sample"),
+    ([0.0, 0.0, 0.0], [False] * 3, {"top_p": [1.0, 0.99, 1.0]}, [1], "sample"),
+    ([0.0, 0.0, 0.0], [False] * 3, {}, [], "argmax"),  # an empty batch draws nothing
+])
+def test_draw_rule_reads_the_batchs_requests(temperature, seeded, masks, batch, rule):
+    """The host-side rule reads the sampling parameters of the batch's own request
+    states: an argmax where none samples and none sets top-k or top-p."""
+    import vllm_ddtree.gpu.verifier as verifier
+
+    ddtree = object.__new__(verifier.DDTreeVerifier)
+    ddtree.sampler = _Sampler(temperature, seeded, **masks)
+    assert ddtree._draw_rule(np.array(batch, dtype=np.int32)) == rule
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vllms_greedy_draw_is_torchs_argmax(dtype):
