@@ -92,7 +92,7 @@ _V2_READS = (
             "sample apply_sampling_params sampling_states req_states compute_nans "
             "logprobs_mode get_logprobs_dims"),
     *_attrs("vllm.v1.worker.gpu.sample.states:SamplingStates",
-            "temperature seeds any_explicit_seed"),
+            "temperature seeds any_explicit_seed top_k top_p vocab_size"),
     "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler._get_logprobs_tensors",
     "vllm.v1.worker.gpu.input_batch:get_num_sampled_and_rejected",
     "vllm.v1.worker.gpu.sample.output:SamplerOutput",
