@@ -16,6 +16,9 @@ V = 49152, bf16 factors) against the DFlash tree of the same budget, built in to
 and the Triton build's per-depth candidates under several launch settings
 (:class:`~vllm_ddtree.kernels.conditioned_candidates.ConditionedTuning`).
 ``--conditioned --profile``: only the Triton build's device time by kernel.
+``--conditioned --depth-costs``: only one depth's candidates (both launches) with every
+parent below the threshold (the chain's row alone), every parent above it, and without
+the threshold; and the chunk kernel's registers and shared memory.
 """
 
 from __future__ import annotations
@@ -240,6 +243,7 @@ def time_conditioned() -> list[tuple]:
     rows = []
     D, V, B = 16, 49152, 15
     for logits, rank in (("peaked", 16), ("flat", 16), ("flat", 64)):
+        torch.manual_seed(rank)  # the same trees in a run before and after a change
         head = MarkovHead((torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16(),
                           torch.randn(V, rank, device="cuda").bfloat16())
         for R in (1, 8, 32):
@@ -333,6 +337,58 @@ def profile_conditioned() -> list[tuple]:
     return rows
 
 
+def depth_costs() -> tuple[list[tuple], list[tuple]]:
+    """µs of one depth's candidates (:func:`~vllm_ddtree.kernels.conditioned_candidates.
+    conditioned_candidates_triton`, replayed in a CUDA graph, and each launch's device
+    time by the torch profiler) at the SmolLM2 DSpark shape (16 parents of a budget-15
+    tree, V = 49152, rank 16, bf16) for 1, 8 and 32 requests: every kept parent below
+    its request's threshold (``dead``: the chain's row alone, a depth past the tree),
+    every one above it (``live``), no threshold (``all``, the first two depths); and the
+    chunk kernel's compiled registers per thread and shared memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_ddtree.kernels import conditioned_candidates as cc
+    from vllm_ddtree.tree.conditioned import parent_needs
+
+    V, rank, K = 49152, 16, 15
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(V, rank, device="cuda", generator=g) / rank ** 0.5).bfloat16()
+    w2 = torch.randn(V, rank, device="cuda", generator=g).bfloat16()
+    need = torch.tensor(parent_needs(K, K, K), device="cuda")
+    rows = []
+    for R in (1, 8, 32):
+        base = (2 * torch.randn(R, V, device="cuda", generator=g)).bfloat16()
+        parents = torch.randint(0, V, (R, K + 1), device="cuda", generator=g)
+        top_ids = torch.topk(base.float(), cc.BOUND_TOKENS, dim=1).indices.contiguous()
+        scores = torch.randn(R, K, device="cuda", generator=g).sort(dim=1, descending=True)
+        for parents_kind, theta in (("dead", float("inf")), ("live", float("-inf")),
+                                    ("all", None)):
+            pruned = {} if theta is None else dict(
+                parent_scores=scores.values.contiguous(),
+                theta=torch.full((R,), theta, device="cuda"))
+
+            def call(pruned=pruned):
+                return cc.conditioned_candidates_triton(base, parents, need, top_ids, w1,
+                                                        w2, 1.0, K, **pruned)
+            us = graph_us(call, 1, 200)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize()
+            by_kernel = {e.key: e.self_device_time_total / 10 for e in prof.key_averages()
+                         if e.self_device_time_total > 0}
+            chunk = sum(t for k, t in by_kernel.items() if "chunk" in k)
+            merge = sum(t for k, t in by_kernel.items() if "merge" in k)
+            rows.append((R, parents_kind, round(us, 1), round(chunk, 1), round(merge, 1)))
+    compiled = []
+    for entry in getattr(cc._conditioned_chunk_kernel, "device_caches", {}).values():
+        for kernel in (entry[0] if isinstance(entry, tuple) else entry).values():
+            kernel._init_handles()
+            compiled.append((kernel.metadata.num_warps, kernel.n_regs, kernel.n_spills,
+                             kernel.metadata.shared))
+    return rows, sorted(set(compiled))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -342,9 +398,25 @@ def main():
                     help="with --conditioned: only the Triton build's GPU time by kernel")
     ap.add_argument("--no-sweep", action="store_true",
                     help="with --conditioned: without the launch-settings sweep")
+    ap.add_argument("--depth-costs", action="store_true",
+                    help="with --conditioned: only one depth's candidates, dead and live "
+                         "parents")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
-    print(f"device: {dev}; torch {torch.__version__}")
+    import triton
+    print(f"device: {dev}; torch {torch.__version__}; Triton {triton.__version__}")
+    if args.conditioned and args.depth_costs:
+        rows, compiled = depth_costs()
+        print("µs per depth's candidates, 16 parents, V = 49152, rank 16, bf16")
+        print("| R | parents | CUDA graph | chunk kernel (device) | merge kernel (device) |"
+              "\n|---|---|---|---|---|")
+        for row in rows:
+            print("| " + " | ".join(str(x) for x in row) + " |")
+        print("\nchunk kernel, as compiled: (warps, registers per thread, spills, shared "
+              "memory bytes)")
+        for c in compiled:
+            print(c)
+        return
     if args.conditioned and args.profile:
         print("| R | kernel | device µs per build | launches per build |\n|---|---|---|---|")
         for row in profile_conditioned():
