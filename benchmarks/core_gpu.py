@@ -380,10 +380,10 @@ def depth_costs() -> tuple[list[tuple], list[tuple]]:
             chunk = sum(t for k, t in by_kernel.items() if "chunk" in k)
             merge = sum(t for k, t in by_kernel.items() if "merge" in k)
             rows.append((R, parents_kind, round(us, 1), round(chunk, 1), round(merge, 1)))
-    compiled = []
+    compiled = []  # from Triton's JIT cache (Triton 3.x internals: best effort)
     for entry in getattr(cc._conditioned_chunk_kernel, "device_caches", {}).values():
         for kernel in (entry[0] if isinstance(entry, tuple) else entry).values():
-            kernel._init_handles()
+            getattr(kernel, "_init_handles", lambda: None)()  # fills n_regs, n_spills
             compiled.append((kernel.metadata.num_warps, kernel.n_regs, kernel.n_spills,
                              kernel.metadata.shared))
     return rows, sorted(set(compiled))
