@@ -261,23 +261,45 @@ def time_conditioned() -> list[tuple]:
     return rows
 
 
+ONE_DEPTH_V, ONE_DEPTH_RANK, ONE_DEPTH_K = 49152, 16, 15  # the SmolLM2 DSpark shape
+
+
+def _one_depth_factors(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """The one-depth benchmarks' Markov factors ``w1``, ``w2`` (bf16) and each of the 16
+    parents' need (a budget-15 tree), drawn from ``g``."""
+    from vllm_ddtree.tree.conditioned import parent_needs
+
+    V, rank, K = ONE_DEPTH_V, ONE_DEPTH_RANK, ONE_DEPTH_K
+    w1 = (torch.randn(V, rank, device="cuda", generator=g) / rank ** 0.5).bfloat16()
+    w2 = torch.randn(V, rank, device="cuda", generator=g).bfloat16()
+    return w1, w2, torch.tensor(parent_needs(K, K, K), device="cuda")
+
+
+def _one_depth_requests(g: torch.Generator, R: int) -> tuple[torch.Tensor, ...]:
+    """``R`` requests' base logits (bf16), their 16 parents and the bound's tokens (the
+    best base tokens), drawn from ``g``."""
+    from vllm_ddtree.kernels.conditioned_candidates import BOUND_TOKENS
+
+    V, K = ONE_DEPTH_V, ONE_DEPTH_K
+    base = (2 * torch.randn(R, V, device="cuda", generator=g)).bfloat16()
+    parents = torch.randint(0, V, (R, K + 1), device="cuda", generator=g)
+    top_ids = torch.topk(base.float(), BOUND_TOKENS, dim=1).indices.contiguous()
+    return base, parents, top_ids
+
+
 def sweep_conditioned() -> list[tuple]:
     """µs per depth's candidates (:func:`~vllm_ddtree.kernels.conditioned_candidates.
     conditioned_candidates_triton`, both launches, replayed in a CUDA graph) at the SmolLM2
     DSpark shape (16 parents of a budget-15 tree, K = 15, V = 49152, rank 16, bf16) for
     several launch settings; and whether each gives the default's candidates."""
     from vllm_ddtree.kernels.conditioned_candidates import (
-        BOUND_TOKENS,
         ConditionedTuning,
         conditioned_candidates_triton,
     )
-    from vllm_ddtree.tree.conditioned import parent_needs
 
-    V, rank, K = 49152, 16, 15
+    K = ONE_DEPTH_K
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = (torch.randn(V, rank, device="cuda", generator=g) / rank ** 0.5).bfloat16()
-    w2 = torch.randn(V, rank, device="cuda", generator=g).bfloat16()
-    need = torch.tensor(parent_needs(K, K, K), device="cuda")
+    w1, w2, need = _one_depth_factors(g)
     settings = [None] + [ConditionedTuning(tile, warps, group, bsort, True)
                          for tile, warps, group, bsort in [
                              (8192, 8, 1, False), (8192, 8, 1, True), (8192, 8, 4, True),
@@ -285,9 +307,7 @@ def sweep_conditioned() -> list[tuple]:
                              (4096, 8, 1, True), (16384, 8, 4, True)]]
     rows = []
     for R in (1, 8, 32):
-        base = (2 * torch.randn(R, V, device="cuda", generator=g)).bfloat16()
-        parents = torch.randint(0, V, (R, K + 1), device="cuda", generator=g)
-        top_ids = torch.topk(base.float(), BOUND_TOKENS, dim=1).indices.contiguous()
+        base, parents, top_ids = _one_depth_requests(g, R)
         want = None
         for tuning in settings:
             def call(tuning=tuning):
@@ -348,18 +368,13 @@ def depth_costs() -> tuple[list[tuple], list[tuple]]:
     from torch.profiler import ProfilerActivity, profile
 
     from vllm_ddtree.kernels import conditioned_candidates as cc
-    from vllm_ddtree.tree.conditioned import parent_needs
 
-    V, rank, K = 49152, 16, 15
+    K = ONE_DEPTH_K
     g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = (torch.randn(V, rank, device="cuda", generator=g) / rank ** 0.5).bfloat16()
-    w2 = torch.randn(V, rank, device="cuda", generator=g).bfloat16()
-    need = torch.tensor(parent_needs(K, K, K), device="cuda")
+    w1, w2, need = _one_depth_factors(g)
     rows = []
     for R in (1, 8, 32):
-        base = (2 * torch.randn(R, V, device="cuda", generator=g)).bfloat16()
-        parents = torch.randint(0, V, (R, K + 1), device="cuda", generator=g)
-        top_ids = torch.topk(base.float(), cc.BOUND_TOKENS, dim=1).indices.contiguous()
+        base, parents, top_ids = _one_depth_requests(g, R)
         scores = torch.randn(R, K, device="cuda", generator=g).sort(dim=1, descending=True)
         for parents_kind, theta in (("dead", float("inf")), ("live", float("-inf")),
                                     ("all", None)):
