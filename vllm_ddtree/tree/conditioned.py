@@ -52,8 +52,13 @@ from vllm_ddtree.kernels.conditioned_candidates import (
     BOUND_TOKENS,
     conditioned_candidates_triton,
 )
-from vllm_ddtree.kernels.tree_build import select_children_supported, select_children_triton
-from vllm_ddtree.kernels.triton_utils import next_pow2, use_triton
+from vllm_ddtree.kernels.tree_build import (
+    ConditionedSelection,
+    conditioned_assemble_triton,
+    select_children_supported,
+    select_children_triton,
+)
+from vllm_ddtree.kernels.triton_utils import use_triton
 
 from .build import DraftTree, assemble_tree, depth_candidates
 
@@ -144,7 +149,11 @@ def build_conditioned_tree_torch(
     """Reference of :func:`build_conditioned_tree` (same arguments): each depth's
     candidates by :func:`conditioned_candidates_torch` and its selection in torch (one
     ``topk`` of packed keys), on any device and any width."""
-    return _build(base_logits, root_tokens, head, budget, draft_to_target, triton=False)
+    width = _width(base_logits, budget)
+    R, D, V = base_logits.shape
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return DraftTree.empty(R, width, D, base_logits.device)
+    return _build_torch(base_logits, root_tokens, head, width, draft_to_target)
 
 
 def build_conditioned_tree_triton(
@@ -160,7 +169,14 @@ def build_conditioned_tree_triton(
     and the selection (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`).
     Raises ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
     program (:func:`~vllm_ddtree.kernels.tree_build.select_children_supported`)."""
-    return _build(base_logits, root_tokens, head, budget, draft_to_target, triton=True)
+    width = _width(base_logits, budget)
+    R, D, V = base_logits.shape
+    if width == 0 or R == 0 or D == 0 or V == 0:
+        return DraftTree.empty(R, width, D, base_logits.device)
+    if not select_children_supported(D, min(width, V), width):
+        raise ValueError(f"build_conditioned_tree_triton: needs Triton and a pair sort "
+                         f"that fits one program (depth {D}, budget {width})")
+    return _build_triton(base_logits, root_tokens, head, width, draft_to_target)
 
 
 def _width(base_logits: torch.Tensor, budget: int) -> int:
@@ -173,88 +189,98 @@ def _width(base_logits: torch.Tensor, budget: int) -> int:
     return width
 
 
-def _build(
-    base_logits: torch.Tensor,  # [R, D, V_draft]
+def _build_torch(
+    base_logits: torch.Tensor,  # [R, D, V_draft], none of R, D, V zero
     root_tokens: torch.Tensor,  # [R] int64
     head: MarkovHead,
-    budget: int,
+    width: int,  # > 0
     draft_to_target: torch.Tensor | None,  # [V_draft] int64
-    triton: bool,  # each depth in three Triton launches, else in torch
 ) -> DraftTree:
-    width = _width(base_logits, budget)
+    """:func:`build_conditioned_tree_torch`'s build: each depth's candidates and
+    selection in torch, then :func:`~vllm_ddtree.tree.build.assemble_tree`."""
     R, D, V = base_logits.shape
     dev = base_logits.device
-    out = DraftTree.empty(R, width, D, dev)
-    if width == 0 or R == 0 or D == 0 or V == 0:
-        return out
+    K = min(width, V)
 
     def to_target(ids: torch.Tensor) -> torch.Tensor:
         return ids if draft_to_target is None else draft_to_target[ids]
 
-    K = min(width, V)
-    if triton:
-        if not select_children_supported(D, K, width):
-            raise ValueError(f"build_conditioned_tree_triton: needs Triton and a pair sort "
-                             f"that fits one program (depth {D}, budget {width})")
-        w1, w2 = head.w1, head.w2.to(head.w1.dtype)
-        # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
-        nb = min(V, max(K, BOUND_TOKENS))
-        top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
-        # the best `width` node scores so far and the (width - 1)-th of them, the next
-        # depth's threshold (the selection writes both)
-        best = torch.empty((R, next_pow2(width)), dtype=torch.float32, device=dev)
-        theta = torch.empty(R, dtype=torch.float32, device=dev)
-
-    def candidates(d: int, parents: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # children of each of parents [R, n]
-        if triton:
-            need = cached_int64_tensor(
-                (K,) if d == 0 else tuple(parent_needs(K, width, parents.shape[1] - 1)),
-                str(dev))
-            # from depth 3 on, only the parents that can still be in the tree
-            pruned = {} if d < 2 else {"parent_scores": scores[-1], "theta": theta}
-            return conditioned_candidates_triton(base_logits[:, d], parents, need,
-                                                 top_ids[d], w1, w2, head.scale, K,
-                                                 **pruned)
-        return conditioned_candidates_torch(base_logits[:, d], parents, head, K)
-
     # depth 1: one distribution per request, conditioned on the root
-    lp, tok, bad = candidates(0, root_tokens.view(R, 1))  # [R, 1, K]
+    lp, tok, bad = conditioned_candidates_torch(base_logits[:, 0], root_tokens.view(R, 1),
+                                                head, K)  # [R, 1, K]
     scores, tokens = [lp[:, 0, :]], [to_target(tok[:, 0, :])]
     chain, bads = [tokens[0][:, 0]], [bad]
     parent_pos = [torch.full((R, K), -1, dtype=torch.int64, device=dev)]
-    # the pair table, as the Triton kernel reads it (int32) or for torch's index math
-    pi_all, pr_all = pair_tensors(D, K, width, str(dev),
-                                  torch.int32 if triton else torch.int64)
+    pi_all, pr_all = pair_tensors(D, K, width, str(dev))
     npairs = pair_layout(D, K, width)[2]
     # every kept node of depth d - 1 is a parent with its own distribution; the chain's
     # last token rides along as one more parent (column n), outside the pairs
     parents = torch.cat([tokens[0], chain[0].unsqueeze(1)], dim=1)  # [R, n + 1]
     for d in range(1, D):
         n = tokens[-1].shape[1]
-        lp, tok, bad = candidates(d, parents)
+        lp, tok, bad = conditioned_candidates_torch(base_logits[:, d], parents, head, K)
         bads.append(bad)
-        if triton:  # one launch: the same selection, and the next depth's parents
-            kept_scores, ppos, kept, parents = select_children_triton(
-                scores[-1], lp, tok, pi_all, pr_all, npairs[d], width, best, theta,
-                d == 1, V, draft_to_target)
-            chain.append(parents[:, -1])
-            scores.append(kept_scores)
-        else:
-            chain.append(to_target(tok[:, n, 0]))
-            pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents in depth d-1's set
-            cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
-            top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()),
-                             dim=1).values
-            code = unpack_ties(top)
-            ppos, rank = code // K, code % K
-            kept = to_target(tok[:, :n].flatten(1).gather(1, ppos * K + rank))
-            scores.append(unpack_scores(top))
-            if d + 1 < D:
-                parents = torch.cat([kept, chain[-1].unsqueeze(1)], dim=1)
+        chain.append(to_target(tok[:, n, 0]))
+        pi, pr = pi_all[: npairs[d]], pr_all[: npairs[d]]  # parents in depth d-1's set
+        cand = scores[-1][:, pi] + lp[:, pi, pr]  # [R, P] float32, parent first
+        top = torch.topk(pack_keys(cand, pi * K + pr), min(width, pi.numel()),
+                         dim=1).values
+        code = unpack_ties(top)
+        ppos, rank = code // K, code % K
+        kept = to_target(tok[:, :n].flatten(1).gather(1, ppos * K + rank))
+        scores.append(unpack_scores(top))
+        if d + 1 < D:
+            parents = torch.cat([kept, chain[-1].unsqueeze(1)], dim=1)
         parent_pos.append(ppos)
         tokens.append(kept)
     per_req = torch.full((R,), width, dtype=torch.int64, device=dev)
-    tree = assemble_tree(scores, parent_pos, tokens, per_req, out)
+    tree = assemble_tree(scores, parent_pos, tokens, per_req, DraftTree.empty(R, width, D, dev))
     return dataclasses.replace(tree, top1=torch.stack(chain, dim=1),
                                nonfinite=torch.cat(bads, dim=1).any(dim=1))
+
+
+def _build_triton(
+    base_logits: torch.Tensor,  # [R, D, V_draft], none of R, D, V zero
+    root_tokens: torch.Tensor,  # [R] int64
+    head: MarkovHead,
+    width: int,  # > 0, the pair sorts fit one program
+    draft_to_target: torch.Tensor | None,  # [V_draft] int64
+) -> DraftTree:
+    """:func:`build_conditioned_tree_triton`'s build: per depth the parents' candidates
+    and the selection (three launches), then one launch assembles the trees from the
+    sets the selections kept."""
+    R, D, V = base_logits.shape
+    dev = base_logits.device
+    K = min(width, V)
+    w1, w2 = head.w1, head.w2.to(head.w1.dtype)
+    # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
+    nb = min(V, max(K, BOUND_TOKENS))
+    top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
+    state = ConditionedSelection.empty(R, D, width, dev)
+    pi_all, pr_all = pair_tensors(D, K, width, str(dev), torch.int32)
+    npairs = pair_layout(D, K, width)[2]
+    # depth 1: one distribution per request, conditioned on the root
+    lp0, tok0, bad0 = conditioned_candidates_triton(
+        base_logits[:, 0], root_tokens.view(R, 1), cached_int64_tensor((K,), str(dev)),
+        top_ids[0], w1, w2, head.scale, K)  # [R, 1, K]
+    scores = lp0[:, 0, :]
+    # every kept node of depth d - 1 is a parent with its own distribution; the chain's
+    # last token rides along as one more parent (column n), outside the pairs
+    first = tok0[:, 0, :] if draft_to_target is None else draft_to_target[tok0[:, 0, :]]
+    parents = torch.cat([first, first[:, :1]], dim=1)  # [R, n + 1]
+    for d in range(1, D):
+        need = cached_int64_tensor(tuple(parent_needs(K, width, parents.shape[1] - 1)),
+                                   str(dev))
+        # from depth 3 on, only the parents that can still be in the tree
+        pruned = {} if d < 2 else {"parent_scores": scores, "theta": state.theta}
+        lp, tok, bad = conditioned_candidates_triton(base_logits[:, d], parents, need,
+                                                     top_ids[d], w1, w2, head.scale, K,
+                                                     **pruned)
+        scores, parents = select_children_triton(scores, lp, tok, bad, pi_all, pr_all,
+                                                 npairs[d], width, d, state, V,
+                                                 draft_to_target)
+    token_ids, parent_idx, depths, node_scores, num_nodes, top1, nonfinite = (
+        conditioned_assemble_triton(lp0[:, 0, :], tok0[:, 0, :], bad0[:, 0], state, width,
+                                    V, draft_to_target))
+    return DraftTree(token_ids, parent_idx, depths, num_nodes, node_scores, D, top1,
+                     nonfinite)
