@@ -12,7 +12,9 @@ fit one program.
 :func:`select_children_triton` is one depth of the same selection for trees whose
 children are conditioned on their parent (:mod:`vllm_ddtree.tree.conditioned`): there
 each depth's candidates depend on the previous depth's nodes, so the build takes one
-launch per depth instead of one per tree
+launch per depth instead of one per tree, each keeping its depth's set, and
+:func:`conditioned_assemble_triton` the tree kernel's last stage (the global top-``B``,
+``_assemble``) over those sets
 (:func:`~vllm_ddtree.tree.conditioned.build_conditioned_tree_triton`; reference:
 :func:`~vllm_ddtree.tree.conditioned.build_conditioned_tree_torch`).
 """

@@ -25,11 +25,12 @@ have a parent left at 4.5 of 15 depths on average, ``benchmarks.dspark_tree_shap
 which changes no node of finite score (a tree that must hold nodes of score -inf,
 logits with fewer than ``B`` finite paths, may hold other ones).
 
-:func:`build_conditioned_tree` runs each depth in torch
-(:func:`build_conditioned_tree_torch`, the reference) or in three Triton launches
-(:func:`build_conditioned_tree_triton`: every parent's best children and log-sum-exp
-straight from the Markov factors, :mod:`vllm_ddtree.kernels.conditioned_candidates`,
-then the selection) by :func:`~vllm_ddtree.kernels.triton_utils.use_triton`.  Oracle:
+:func:`build_conditioned_tree` picks by :func:`~vllm_ddtree.kernels.triton_utils.use_triton`
+between torch (:func:`build_conditioned_tree_torch`, the reference) and Triton
+(:func:`build_conditioned_tree_triton`): three launches a depth (every parent's best
+children and log-sum-exp straight from the Markov factors,
+:mod:`vllm_ddtree.kernels.conditioned_candidates`, then the selection) and one that
+assembles the trees.  Oracle:
 :func:`vllm_ddtree.tree.reference.build_conditioned_tree_heap`.
 """
 
@@ -166,8 +167,9 @@ def build_conditioned_tree_triton(
     """The Triton side of :func:`build_conditioned_tree` (same arguments): each depth in
     three launches, the parents' candidates
     (:func:`~vllm_ddtree.kernels.conditioned_candidates.conditioned_candidates_triton`)
-    and the selection (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`).
-    Raises ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
+    and the selection (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`),
+    then one that assembles the trees
+    (:func:`~vllm_ddtree.kernels.tree_build.conditioned_assemble_triton`).  Raises ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
     program (:func:`~vllm_ddtree.kernels.tree_build.select_children_supported`)."""
     width = _width(base_logits, budget)
     R, D, V = base_logits.shape
