@@ -180,33 +180,35 @@ if HAS_TRITON:
         live = key != -9223372036854775807 - 1
         per_chunk = tl.sum(live.to(tl.int32), 1)  # [BLOCK_C]
         n_live = tl.sum(per_chunk, 0)
-        if n_live <= (SMALL if SORT else -1):
-            before = tl.cumsum(per_chunk, 0) - per_chunk
-            pos = before[:, None] + slots[None, :]
-            scratch = SCRATCH + row.to(tl.int64) * SMALL
-            tl.store(scratch + pos, key, mask=live)
-            tl.debug_barrier()
-            i_packed = tl.arange(0, SMALL)
-            packed = tl.load(scratch + i_packed, mask=i_packed < n_live,
-                             other=-9223372036854775807 - 1)
-            packed = tl.reshape(tl.sort(packed, descending=True), (SMALL // KP, KP))
-            first = (tl.arange(0, SMALL // KP) == 0)[:, None]
-            top = tl.max(tl.where(first, packed, -9223372036854775807 - 1), 0)
-        else:  # over the flat slots: one reduction a key, not a 2-D tile's two
-            i_flat = tl.arange(0, BLOCK_N)
-            f_ok = i_flat < n_chunks * K
-            if HAS_CNT:
-                f_ok &= (i_flat % K) < tl.load(CNT + row * n_chunks + i_flat // K,
-                                               mask=f_ok, other=0)
-            flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat, mask=f_ok,
-                           other=-9223372036854775807 - 1)
-            n_top = K
-            if HAS_CNT:
-                n_top = tl.minimum(tl.load(NEED + row % n_need), K)
-            for j in range(0, n_top):
-                best = tl.max(flat, 0)
-                top = tl.where(slots == j, best, top)
-                flat = tl.where(flat == best, -9223372036854775807 - 1, flat)
+        # a row with no key (a pruned parent's: CNT all 0) keeps no entry
+        if n_live > 0:
+            if n_live <= (SMALL if SORT else -1):
+                before = tl.cumsum(per_chunk, 0) - per_chunk
+                pos = before[:, None] + slots[None, :]
+                scratch = SCRATCH + row.to(tl.int64) * SMALL
+                tl.store(scratch + pos, key, mask=live)
+                tl.debug_barrier()
+                i_packed = tl.arange(0, SMALL)
+                packed = tl.load(scratch + i_packed, mask=i_packed < n_live,
+                                 other=-9223372036854775807 - 1)
+                packed = tl.reshape(tl.sort(packed, descending=True), (SMALL // KP, KP))
+                first = (tl.arange(0, SMALL // KP) == 0)[:, None]
+                top = tl.max(tl.where(first, packed, -9223372036854775807 - 1), 0)
+            else:  # over the flat slots: one reduction a key, not a 2-D tile's two
+                i_flat = tl.arange(0, BLOCK_N)
+                f_ok = i_flat < n_chunks * K
+                if HAS_CNT:
+                    f_ok &= (i_flat % K) < tl.load(CNT + row * n_chunks + i_flat // K,
+                                                   mask=f_ok, other=0)
+                flat = tl.load(KEYS + row.to(tl.int64) * n_chunks * K + i_flat, mask=f_ok,
+                               other=-9223372036854775807 - 1)
+                n_top = K
+                if HAS_CNT:
+                    n_top = tl.minimum(tl.load(NEED + row % n_need), K)
+                for j in range(0, n_top):
+                    best = tl.max(flat, 0)
+                    top = tl.where(slots == j, best, top)
+                    flat = tl.where(flat == best, -9223372036854775807 - 1, flat)
         vals = key_score(top)
         y = tl.load(M + row * n_chunks + c, mask=c_ok, other=float("-inf"))
         y += tl.log(tl.load(S + row * n_chunks + c, mask=c_ok, other=1.0))
