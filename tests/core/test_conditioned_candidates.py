@@ -154,3 +154,34 @@ def test_only_parents_at_or_above_the_threshold_get_children(tile, group):
                 assert (lp[r, p] == float("-inf")).all(), (r, p)
     assert want[2][0, 3] and want[2][1].all()
     assert torch.equal(bad, want[2] & use)
+
+
+@pytest.mark.parametrize("R,D,V,nb", [(2, 3, 200, 64), (1, 2, 64, 64), (3, 2, 100, 63),
+                                      (2, 2, 1000, 17), (1, 2, 5, 5)])
+def test_bound_tokens_are_each_spans_best_token(R, D, V, nb):
+    """The bound's tokens (the build's): per request and depth, the best base token of
+    each of ``nb`` vocabulary spans (the last one to the end; V = 100 over 63 spans
+    leaves it 38 tokens), ties to the lower id (logits of three values), a NaN ranked
+    last; so ``nb`` distinct tokens, which the kernel needs."""
+    from vllm_ddtree.kernels.conditioned_candidates import (
+        bound_tokens_torch,
+        bound_tokens_triton,
+    )
+
+    g = torch.Generator().manual_seed(R * V + nb)
+    base = torch.randint(0, 3, (R, D, V), generator=g).float()
+    base[0, 0, : V // nb] = float("nan")  # the first span all NaN but one 0
+    base[0, 0, 1] = 0.0
+    got = bound_tokens_triton(base.to(DEV), nb).cpu()
+    want = bound_tokens_torch(base, nb)
+    assert got.shape == (D, R, nb) and torch.equal(got, want)
+    assert int(got[0, 0, 0]) == (1 if V // nb > 1 else 0)
+    for d in range(D):
+        for r in range(R):
+            ids = got[d, r]
+            assert len(set(ids.tolist())) == nb
+            span = V // nb
+            for j, t in enumerate(ids.tolist()):
+                end = V if j == nb - 1 else (j + 1) * span
+                row = torch.nan_to_num(base[r, d, j * span:end], nan=float("-inf"))
+                assert t == j * span + int(torch.argmax(row))

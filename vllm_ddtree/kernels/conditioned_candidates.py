@@ -13,22 +13,24 @@ logits themselves.
   tensor cores, float32 sums), sanitized as :func:`~vllm_ddtree.tree.build.
   sanitized_logits`; per parent the chunk's maximum, sum of exponentials and non-finite
   flag; and the chunk's entries that can be among the parent's best: ``t_p``, the
-  ``need_p``-th largest of the parent's logits at the depth's ``NB`` best base tokens,
-  is a lower bound on the parent's ``need_p``-th largest logit (``need_p`` distinct
+  ``need_p``-th largest of the parent's logits at the depth's ``NB`` bound tokens, is a
+  lower bound on the parent's ``need_p``-th largest logit (``need_p`` distinct
   entries reach it), so only entries ``>= t_p`` are kept, at most ``need_p`` a chunk,
   as packed keys (:mod:`.build_tables`: ties to the lower id).  Each kept entry costs
   two reductions over the tile, so the bound's tightness is the kernel's cost: at the
   SmolLM2 DSpark drafter's shape (V = 49152, Markov bias about half the base logits'
   spread, budget 15) the best parent's bound over the 15 best base tokens let ~400
-  entries through, over the best 64 ~35 (:data:`BOUND_TOKENS`).  Grouping chunks
+  entries through, over the best 64 ~35 (:data:`BOUND_TOKENS`).  The build takes the
+  best base token of each of 64 vocabulary spans (:func:`bound_tokens_triton`: one
+  read of the base logits, where an exact top-64 is a top-k).  Grouping chunks
   computes the bound once for several chunks where the requests fill the GPU
   (:func:`conditioned_tuning`).  Given the parents' scores and a threshold per request
   (from the third depth on), a parent below the threshold cannot have descendants in
   the tree: its chunks keep no entry and raise no flag, and a request with no parent
   left does one row's work, its chain's (``_chain_chunks``).
 * :mod:`.topk_lse`'s merge, one program per parent: the best ``K`` of the kept keys
-  (the first ``need_p`` exact; later slots are not read), log-probabilities, the
-  non-finite flag.
+  (the first ``need_p`` exact; later slots are not read; none for a parent below the
+  threshold), log-probabilities, the non-finite flag.
 
 The torch reference is :func:`~vllm_ddtree.tree.conditioned.conditioned_candidates_torch`.
 """
@@ -45,8 +47,8 @@ if HAS_TRITON:
     from vllm_ddtree.kernels.build_tables import key_score, pack_key
     from vllm_ddtree.kernels.topk_lse import _merge_kernel, sanitize
 
-# the pruning bound's tokens: the depth's this many best base tokens (the module
-# docstring gives the entries each bound lets through)
+# the pruning bound's tokens: this many high base tokens a depth (the module docstring
+# gives the entries a bound lets through)
 BOUND_TOKENS = 64
 
 
@@ -175,7 +177,7 @@ if HAS_TRITON:
                           n_chunks, ro, ro_ok, w2_stride, scale, big, K, CHUNK, IEEE)
         else:
             # t: each parent's need-th largest logit (duplicates counted) over the
-            # depth's NB best base tokens
+            # depth's NB bound tokens
             j = tl.arange(0, NBP)
             j_ok = j < NB
             ids = tl.load(TOP_IDS + r * NB + j, mask=j_ok, other=0)
@@ -221,6 +223,71 @@ if HAS_TRITON:
                     hit &= cols[None, :] != col[:, None]
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _bound_tokens_kernel(BASE, OUT, V, R, D, span, longest, NB: tl.constexpr,
+                             SPANS: tl.constexpr, BLOCK: tl.constexpr):
+        """``SPANS`` of one (request, depth) row's ``NB`` vocabulary spans (``span``
+        tokens each, the last one, ``longest``, to the end), side by side, ``BLOCK``
+        tokens of each at a time: each span's best token, ties to the lower id."""
+        row = tl.program_id(0).to(tl.int64)  # r * D + d
+        j = tl.program_id(1) * SPANS + tl.arange(0, SPANS)
+        start = j * span
+        end = tl.where(j == NB - 1, V, start + span)
+        best = tl.full([SPANS], float("-inf"), tl.float32)
+        tok = start  # a span of -inf (or NaN) logits: its first token
+        for c0 in range(0, longest, BLOCK):
+            cols = start[:, None] + c0 + tl.arange(0, BLOCK)[None, :]
+            ok = (cols < end[:, None]) & (j < NB)[:, None]
+            x = tl.load(BASE + row * V + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            x = tl.where(x != x, float("-inf"), x)  # NaN ranks last
+            m = tl.max(x, 1)
+            t = tl.min(tl.where(ok & (x == m[:, None]), cols, V), 1)
+            better = m > best  # an earlier block keeps a tie: the lower id
+            tok = tl.where(better, t, tok)
+            best = tl.where(better, m, best)
+        tl.store(OUT + ((row % D) * R + row // D) * NB + j, tok, mask=j < NB)
+
+
+def bound_tokens_triton(
+    base_logits: torch.Tensor,  # [R, D, V] contiguous
+    nb: int,  # tokens per row, 1 <= nb <= V
+) -> torch.Tensor:  # [D, R, nb] int64
+    """The pruning bound's tokens (:func:`conditioned_candidates_triton`'s ``top_ids``) of
+    every request and depth, one launch: the best base token of each of ``nb`` spans of
+    the vocabulary (``V // nb`` tokens each, the last one to the end), distinct by
+    construction.  Any distinct tokens give the same candidates; high base logits make
+    a tight bound, and span maxima cost one read of the logits where the exact top-``nb``
+    costs a top-k (docs/benchmarks/core-gpu.md, "Fewer launches, cheaper bound tokens")."""
+    R, D, V = base_logits.shape
+    assert base_logits.is_contiguous() and 1 <= nb <= V
+    span = V // nb
+    out = torch.empty((D, R, nb), dtype=torch.int64, device=base_logits.device)
+    if R * D:
+        # 8 spans a program, up to 1024 tokens of each at a time: at V = 49152 a
+        # 64-token bound is 8 programs a row of one [8, 1024] block each
+        spans = min(8, next_pow2(nb))
+        _bound_tokens_kernel[(R * D, triton.cdiv(nb, spans))](
+            base_logits, out, V, R, D, span, V - (nb - 1) * span, NB=nb, SPANS=spans,
+            BLOCK=max(16, min(1024, next_pow2(V - (nb - 1) * span))), num_warps=4)
+    return out
+
+
+def bound_tokens_torch(
+    base_logits: torch.Tensor,  # [R, D, V]
+    nb: int,  # tokens per row, 1 <= nb <= V
+) -> torch.Tensor:  # [D, R, nb] int64
+    """Reference of :func:`bound_tokens_triton`."""
+    R, D, V = base_logits.shape
+    span = V // nb
+    x = torch.nan_to_num(base_logits.float(), nan=float("-inf"))
+    head = x[..., : (nb - 1) * span].reshape(R, D, nb - 1, span).argmax(dim=-1)
+    last = x[..., (nb - 1) * span:].argmax(dim=-1, keepdim=True) + (nb - 1) * span
+    return torch.cat([head + span * torch.arange(nb - 1, device=x.device), last],
+                     dim=-1).transpose(0, 1).contiguous()
+
+
 def conditioned_candidates_triton(
     base: torch.Tensor,  # [R, V_draft] the depth's base logits (last dim contiguous)
     parents: torch.Tensor,  # [R, P] int64 target token id of each parent
@@ -238,7 +305,7 @@ def conditioned_candidates_triton(
     [R, P, k] int64, nonfinite [R, P] bool)``, ranked by logit descending, ties by lower
     id; only the first ``need[p]`` of parent ``p`` are its children (later slots hold
     anything).  ``top_ids``: the pruning bound's tokens (any distinct ids give the same
-    result; the depth's best base tokens prune the most).  ``tuning`` overrides
+    result; the higher their base logits, the more they prune).  ``tuning`` overrides
     :func:`conditioned_tuning`.  Two launches, no host sync.
 
     With ``parent_scores`` and ``theta``: parent ``p < P - 1`` is a tree node of that

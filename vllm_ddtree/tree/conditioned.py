@@ -51,6 +51,7 @@ from vllm_ddtree.kernels.build_tables import (
 )
 from vllm_ddtree.kernels.conditioned_candidates import (
     BOUND_TOKENS,
+    bound_tokens_triton,
     conditioned_candidates_triton,
 )
 from vllm_ddtree.kernels.tree_build import (
@@ -169,7 +170,8 @@ def build_conditioned_tree_triton(
     (:func:`~vllm_ddtree.kernels.conditioned_candidates.conditioned_candidates_triton`)
     and the selection (:func:`~vllm_ddtree.kernels.tree_build.select_children_triton`),
     then one that assembles the trees
-    (:func:`~vllm_ddtree.kernels.tree_build.conditioned_assemble_triton`).  Raises ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
+    (:func:`~vllm_ddtree.kernels.tree_build.conditioned_assemble_triton`).  Raises
+    ``ValueError`` where Triton is missing or a depth's pair sort does not fit one
     program (:func:`~vllm_ddtree.kernels.tree_build.select_children_supported`)."""
     width = _width(base_logits, budget)
     R, D, V = base_logits.shape
@@ -255,9 +257,8 @@ def _build_triton(
     dev = base_logits.device
     K = min(width, V)
     w1, w2 = head.w1, head.w2.to(head.w1.dtype)
-    # [D, R, NB] each depth's best base tokens: the kernel's pruning bound
-    nb = min(V, max(K, BOUND_TOKENS))
-    top_ids = depth_candidates(base_logits, nb)[1].transpose(0, 1).contiguous()
+    # [D, R, NB] each depth's high base tokens: the kernel's pruning bound
+    top_ids = bound_tokens_triton(base_logits.contiguous(), min(V, max(K, BOUND_TOKENS)))
     state = ConditionedSelection.empty(R, D, width, dev)
     pi_all, pr_all = pair_tensors(D, K, width, str(dev), torch.int32)
     npairs = pair_layout(D, K, width)[2]
