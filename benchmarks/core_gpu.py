@@ -16,6 +16,8 @@ V = 49152, bf16 factors) against the DFlash tree of the same budget, built in to
 and the Triton build's per-depth candidates under several launch settings
 (:class:`~vllm_ddtree.kernels.conditioned_candidates.ConditionedTuning`).
 ``--conditioned --profile``: only the Triton build's device time by kernel.
+``--conditioned --builds REPS``: only the Triton build's time, and a digest of its trees
+(the same command on a copy of another version of the package compares the two).
 ``--conditioned --depth-costs``: only one depth's candidates (both launches) with every
 parent below the threshold (the chain's row alone), every parent above it, and without
 the threshold; and the chunk kernel's registers and shared memory.
@@ -24,10 +26,11 @@ the threshold; and the chunk kernel's registers and shared memory.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -227,37 +230,67 @@ def conditioned_base(R: int, D: int, V: int, peaked: bool) -> torch.Tensor:
     return base.bfloat16()
 
 
-def time_conditioned() -> list[tuple]:
-    """ms per build in a CUDA graph: the DFlash tree, the conditioned tree in torch
-    (each depth's sum inside the top-k kernels, torch selection) and in Triton (each
-    depth's candidates straight from the Markov factors, Triton selection), over flat
-    and peaked logits (:func:`conditioned_base`); and whether the two conditioned trees
-    agree (bf16 factors: the torch side sums them in another order, so a near-tie may
-    rank differently)."""
-    from vllm_ddtree.tree.conditioned import (
-        MarkovHead,
-        build_conditioned_tree_torch,
-        build_conditioned_tree_triton,
-    )
+def _conditioned_cases() -> Iterator[tuple]:
+    """The timed conditioned builds' inputs, seeded (one seed per Markov rank, so a run
+    before and after a change builds the same trees): ``(logits, rank, R, base, roots,
+    head)`` at the SmolLM2 DSpark drafter's shape (D = 16, V = 49152), flat and peaked
+    logits (:func:`conditioned_base`), 1 / 8 / 32 requests."""
+    from vllm_ddtree.tree.conditioned import MarkovHead
 
-    rows = []
-    D, V, B = 16, 49152, 15
+    D, V = 16, 49152
     for logits, rank in (("peaked", 16), ("flat", 16), ("flat", 64)):
-        torch.manual_seed(rank)  # the same trees in a run before and after a change
+        torch.manual_seed(rank)
         head = MarkovHead((torch.randn(V, rank, device="cuda") / rank ** 0.5).bfloat16(),
                           torch.randn(V, rank, device="cuda").bfloat16())
         for R in (1, 8, 32):
             base = conditioned_base(R, D, V, logits == "peaked")
             roots = torch.randint(0, V, (R,), device="cuda")
-            dflash = _graph_ms(lambda: build_tree(base, B, inplace=True))
-            ref = _graph_ms(lambda: build_conditioned_tree_torch(base, roots, head, B))
-            fused = _graph_ms(lambda: build_conditioned_tree_triton(base, roots, head, B))
-            a = build_conditioned_tree_torch(base, roots, head, B)
-            b = build_conditioned_tree_triton(base, roots, head, B)
-            same = sum(torch.equal(a.token_ids[r], b.token_ids[r]) for r in range(R))
-            depth = float(a.depths.max(dim=1).values.float().mean())
-            rows.append((logits, rank, R, round(depth, 1), dflash, ref, fused,
-                         f"{same}/{R}"))
+            yield logits, rank, R, base, roots, head
+
+
+def time_conditioned() -> list[tuple]:
+    """ms per build in a CUDA graph, budget 15: the DFlash tree, the conditioned tree in
+    torch (each depth's sum inside the top-k kernels, torch selection) and in Triton
+    (each depth's candidates straight from the Markov factors, Triton selection), over
+    :func:`_conditioned_cases`; and whether the two conditioned trees agree (bf16
+    factors: the torch side sums them in another order, so a near-tie may rank
+    differently)."""
+    from vllm_ddtree.tree.conditioned import (
+        build_conditioned_tree_torch,
+        build_conditioned_tree_triton,
+    )
+
+    rows, B = [], 15
+    for logits, rank, R, base, roots, head in _conditioned_cases():
+        dflash = _graph_ms(lambda: build_tree(base, B, inplace=True))
+        ref = _graph_ms(lambda: build_conditioned_tree_torch(base, roots, head, B))
+        fused = _graph_ms(lambda: build_conditioned_tree_triton(base, roots, head, B))
+        a = build_conditioned_tree_torch(base, roots, head, B)
+        b = build_conditioned_tree_triton(base, roots, head, B)
+        same = sum(torch.equal(a.token_ids[r], b.token_ids[r]) for r in range(R))
+        depth = float(a.depths.max(dim=1).values.float().mean())
+        rows.append((logits, rank, R, round(depth, 1), dflash, ref, fused, f"{same}/{R}"))
+    return rows
+
+
+def time_triton_builds(reps: int) -> list[tuple]:
+    """The Triton build alone over :func:`_conditioned_cases`, budget 15: median ms of
+    ``reps`` CUDA-graph timings (each itself a median of replays), the trees' depth and
+    a digest of every field of the trees (equal digests: equal trees)."""
+    from vllm_ddtree.tree.conditioned import build_conditioned_tree_triton
+
+    rows, B = [], 15
+    for logits, rank, R, base, roots, head in _conditioned_cases():
+        ms = statistics.median(
+            _graph_ms(lambda: build_conditioned_tree_triton(base, roots, head, B))
+            for _ in range(reps))
+        tree = build_conditioned_tree_triton(base, roots, head, B)
+        digest = hashlib.sha256()
+        for field in (tree.token_ids, tree.parents, tree.depths, tree.num_nodes,
+                      tree.scores, tree.top1, tree.nonfinite):
+            digest.update(field.cpu().numpy().tobytes())
+        depth = float(tree.depths.max(dim=1).values.float().mean())
+        rows.append((logits, rank, R, round(depth, 1), ms, digest.hexdigest()[:12]))
     return rows
 
 
@@ -413,6 +446,9 @@ def main():
                     help="with --conditioned: only the Triton build's GPU time by kernel")
     ap.add_argument("--no-sweep", action="store_true",
                     help="with --conditioned: without the launch-settings sweep")
+    ap.add_argument("--builds", type=int, default=0, metavar="REPS",
+                    help="with --conditioned: only the Triton build, median of REPS "
+                         "timings, and a digest of its trees")
     ap.add_argument("--depth-costs", action="store_true",
                     help="with --conditioned: only one depth's candidates, dead and live "
                          "parents")
@@ -431,6 +467,12 @@ def main():
               "memory bytes)")
         for c in compiled:
             print(c)
+        return
+    if args.conditioned and args.builds:
+        print("ms per Triton build, one CUDA graph; D = 16, V = 49152, budget 15")
+        print("| logits | rank | R | tree depth | ms | trees (digest) |\n|---|---|---|---|---|---|")
+        for logits, rank, R, depth, ms, digest in time_triton_builds(args.builds):
+            print(f"| {logits} | {rank} | {R} | {depth} | {ms:.3f} | {digest} |")
         return
     if args.conditioned and args.profile:
         print("| R | kernel | device µs per build | launches per build |\n|---|---|---|---|")
