@@ -139,8 +139,8 @@ if HAS_TRITON:
         key = tl.where(ok, pack_key(prev + val, pi * K + pr), -9223372036854775807 - 1)
         key = tl.sort(key, descending=True)
         sel = po < WN
-        code = 4294967295 - (key & 4294967295)
-        t = tl.load(tok + (code // K) * K + code % K, mask=sel, other=0)
+        code = 4294967295 - (key & 4294967295)  # parent position * K + rank
+        t = tl.load(tok + code, mask=sel, other=0)
         # a child slot its parent did not fill (no id: a pruned parent, or fewer finite
         # logits than children) holds no token; such a node scores -inf
         t = tl.where((t >= 0) & (t < v_draft), t, 0)
