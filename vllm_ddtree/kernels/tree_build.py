@@ -178,10 +178,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _conditioned_assemble_kernel(
-        LP0, TOK0, BAD0, D2T, NSET, KEYS, NTOK, TOP1, NFD, MAP,
+        LP0, TOK0, BAD0, NSET, KEYS, NTOK, TOP1, NFD, MAP,
         OUT_TOK, OUT_PAR, OUT_DEP, OUT_SCORE, NUM, NONFINITE,
-        n_out, v_draft, D: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-        PB: tl.constexpr, DB: tl.constexpr, DP: tl.constexpr, HAS_MAP: tl.constexpr,
+        n_out, D: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+        PB: tl.constexpr, DB: tl.constexpr, DP: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         keys = KEYS + r * D * PB
@@ -190,15 +190,9 @@ if HAS_TRITON:
         o = tl.arange(0, PB)
         ok = o < tl.minimum(W, K)
         v = tl.load(LP0 + r * K + o, mask=ok, other=0.0)
-        t = tl.load(TOK0 + r * K + o, mask=ok, other=0)
-        t = tl.where((t >= 0) & (t < v_draft), t, 0)
-        c = tl.load(TOK0 + r * K)
-        if HAS_MAP:
-            t = tl.load(D2T + t, mask=ok, other=0)
-            c = tl.load(D2T + c)
         tl.store(keys + o, pack_key(v, o.to(tl.int64)), mask=ok)
-        tl.store(ntok + o, t, mask=ok)
-        tl.store(TOP1 + r * D, c)
+        tl.store(ntok + o, tl.load(TOK0 + r * K + o, mask=ok, other=0), mask=ok)
+        tl.store(TOP1 + r * D, tl.load(TOK0 + r * K))  # the chain: the best child
         dd = tl.arange(0, DP)
         bad = tl.load(NFD + r * D + dd, mask=(dd > 0) & (dd < D), other=0).to(tl.int32)
         bad = tl.maximum(tl.max(bad, 0), tl.load(BAD0 + r).to(tl.int32))
@@ -290,12 +284,10 @@ def select_children_triton(
 
 def conditioned_assemble_triton(
     logprobs: torch.Tensor,  # [R, K] float32 depth 1's candidates (the root's children)
-    token_ids: torch.Tensor,  # [R, K] int64 their draft ids
+    token_ids: torch.Tensor,  # [R, K] int64 their tokens (target ids)
     nonfinite: torch.Tensor,  # [R] bool depth 1's logits held NaN/inf
     state: ConditionedSelection,  # every later depth's selection
     width: int,
-    v_draft: int,
-    draft_to_target: torch.Tensor | None = None,  # [V_draft] int64
 ) -> tuple[torch.Tensor, ...]:
     """The conditioned build's trees from its per-depth sets, one launch: as
     :func:`tree_build_triton` assembles them.  Returns ``(token_ids, parents, depths,
@@ -314,15 +306,13 @@ def conditioned_assemble_triton(
     num_nodes = torch.empty(R, dtype=torch.int64, device=dev)
     bad = torch.empty(R, dtype=torch.bool, device=dev)
     if R:
-        has_map = draft_to_target is not None
         db = next_pow2(D) * pb
         _conditioned_assemble_kernel[(R,)](
             logprobs.contiguous(), token_ids.contiguous(), nonfinite.view(torch.int8),
-            draft_to_target if has_map else token_ids,
             cached_int64_tensor(tuple(sizes), str(dev)), state.keys, state.tokens,
             state.top1, state.nonfinite, node_map, out_tok, out_par, out_dep, out_score,
-            num_nodes, bad.view(torch.int8), n_out, v_draft, D=D, K=K, W=width, PB=pb,
-            DB=db, DP=next_pow2(D), HAS_MAP=has_map, num_warps=build_warps(pb, db))
+            num_nodes, bad.view(torch.int8), n_out, D=D, K=K, W=width, PB=pb, DB=db,
+            DP=next_pow2(D), num_warps=build_warps(pb, db))
     return out_tok, out_par, out_dep, out_score, num_nodes, state.top1, bad
 
 

@@ -283,7 +283,6 @@ def _build_triton(
                                                  npairs[d], width, d, state, V,
                                                  draft_to_target)
     token_ids, parent_idx, depths, node_scores, num_nodes, top1, nonfinite = (
-        conditioned_assemble_triton(lp0[:, 0, :], tok0[:, 0, :], bad0[:, 0], state, width,
-                                    V, draft_to_target))
+        conditioned_assemble_triton(lp0[:, 0, :], first, bad0[:, 0], state, width))
     return DraftTree(token_ids, parent_idx, depths, num_nodes, node_scores, D, top1,
                      nonfinite)
