@@ -1,10 +1,11 @@
 """No device-to-host sync in the plugin's per-step GPU work: one simulated step of every
 piece the speculator, the model state and the verifier launch (tree build, tree store at
 the request states, chain fallback from host flags, verify rows, walk, T > 0 choice and
-stop draw, KV and hidden-row compaction, the NaN/inf count's copy to pinned memory), and
-the conditioned (DSpark) tree build, run under
-``torch.cuda.set_sync_debug_mode("error")``, where any synchronizing call raises.  The
-first pass compiles the Triton kernels; the second is the one checked."""
+stop draw, KV and hidden-row compaction, the NaN/inf count's copy to pinned memory), run
+under ``torch.cuda.set_sync_debug_mode("error")``, where any synchronizing call raises.
+The first pass compiles the Triton kernels; the second is the one checked.  The
+conditioned (DSpark) tree build's check, which needs no vLLM:
+``test_conditioned_no_sync.py``."""
 
 from __future__ import annotations
 
@@ -109,23 +110,3 @@ def test_a_step_has_no_device_to_host_sync():
     torch.cuda.synchronize()
     assert nonfinite.seen == 0
 
-
-def test_the_conditioned_tree_build_has_no_device_to_host_sync():
-    """The DSpark drafter's tree (each depth's candidates from the Markov factors, the
-    Triton selection): no synchronizing call after its first build compiled it."""
-    from vllm_ddtree.tree.conditioned import MarkovHead, build_conditioned_tree_triton
-
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    base = (torch.randn(R, D, V, device=dev, generator=g) * 2).bfloat16()
-    head = MarkovHead(torch.randn(V, 16, device=dev, generator=g).bfloat16(),
-                      torch.randn(V, 16, device=dev, generator=g).bfloat16(), 0.5)
-    roots = torch.randint(0, V, (R,), device=dev, generator=g)
-    want = build_conditioned_tree_triton(base, roots, head, B)  # compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = build_conditioned_tree_triton(base, roots, head, B)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(got.token_ids, want.token_ids)
