@@ -276,7 +276,9 @@ def time_conditioned() -> list[tuple]:
 def time_triton_builds(reps: int) -> list[tuple]:
     """The Triton build alone over :func:`_conditioned_cases`, budget 15: median ms of
     ``reps`` CUDA-graph timings (each itself a median of replays), the trees' depth and
-    a digest of every field of the trees (equal digests: equal trees)."""
+    digests of the trees' nodes (every field but the scores) and of their scores (a
+    build that chunks the vocabulary otherwise may round a log-sum-exp, and so the
+    scores, differently: equal node digests are equal trees)."""
     from vllm_ddtree.tree.conditioned import build_conditioned_tree_triton
 
     rows, B = [], 15
@@ -285,12 +287,14 @@ def time_triton_builds(reps: int) -> list[tuple]:
             _graph_ms(lambda: build_conditioned_tree_triton(base, roots, head, B))
             for _ in range(reps))
         tree = build_conditioned_tree_triton(base, roots, head, B)
-        digest = hashlib.sha256()
-        for field in (tree.token_ids, tree.parents, tree.depths, tree.num_nodes,
-                      tree.scores, tree.top1, tree.nonfinite):
-            digest.update(field.cpu().numpy().tobytes())
+        nodes, scores = hashlib.sha256(), hashlib.sha256()
+        for field in (tree.token_ids, tree.parents, tree.depths, tree.num_nodes, tree.top1,
+                      tree.nonfinite):
+            nodes.update(field.cpu().numpy().tobytes())
+        scores.update(tree.scores.cpu().numpy().tobytes())
         depth = float(tree.depths.max(dim=1).values.float().mean())
-        rows.append((logits, rank, R, round(depth, 1), ms, digest.hexdigest()[:12]))
+        rows.append((logits, rank, R, round(depth, 1), ms, nodes.hexdigest()[:12],
+                     scores.hexdigest()[:12]))
     return rows
 
 
@@ -470,9 +474,10 @@ def main():
         return
     if args.conditioned and args.builds:
         print("ms per Triton build, one CUDA graph; D = 16, V = 49152, budget 15")
-        print("| logits | rank | R | tree depth | ms | trees (digest) |\n|---|---|---|---|---|---|")
-        for logits, rank, R, depth, ms, digest in time_triton_builds(args.builds):
-            print(f"| {logits} | {rank} | {R} | {depth} | {ms:.3f} | {digest} |")
+        print("| logits | rank | R | tree depth | ms | nodes (digest) | scores (digest) |\n"
+              "|---|---|---|---|---|---|---|")
+        for logits, rank, R, depth, ms, nodes, scores in time_triton_builds(args.builds):
+            print(f"| {logits} | {rank} | {R} | {depth} | {ms:.3f} | {nodes} | {scores} |")
         return
     if args.conditioned and args.profile:
         print("| R | kernel | device µs per build | launches per build |\n|---|---|---|---|")
