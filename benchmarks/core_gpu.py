@@ -16,8 +16,9 @@ V = 49152, bf16 factors) against the DFlash tree of the same budget, built in to
 and the Triton build's per-depth candidates under several launch settings
 (:class:`~vllm_ddtree.kernels.conditioned_candidates.ConditionedTuning`).
 ``--conditioned --profile``: only the Triton build's device time by kernel.
-``--conditioned --builds REPS``: only the Triton build's time, and a digest of its trees
-(the same command on a copy of another version of the package compares the two).
+``--conditioned --builds REPS``: only the Triton build's time, and digests of its trees'
+nodes and of their scores (the same command on a copy of another version of the package
+compares the two).
 ``--conditioned --depth-costs``: only one depth's candidates (both launches) with every
 parent below the threshold (the chain's row alone), every parent above it, and without
 the threshold; and the chunk kernel's registers and shared memory.
