@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("R", [1, 8])
 def test_the_conditioned_tree_build_has_no_device_to_host_sync(R):
-    """Each depth's rows, candidates and selection, and the assembly, at budget 15
-    over depth 6 and 4096 tokens; 8 requests fill several row tiles."""
+    """Each depth's candidates and selection, and the assembly, at budget 15 over
+    depth 6 and 4096 tokens, for one request and for eight."""
     dev = torch.device("cuda")
     D, V, B = 6, 4096, 15
     g = torch.Generator(device=dev).manual_seed(R)

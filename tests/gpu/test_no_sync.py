@@ -109,4 +109,3 @@ def test_a_step_has_no_device_to_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert nonfinite.seen == 0
-
