@@ -33,5 +33,6 @@ def test_the_conditioned_tree_build_has_no_device_to_host_sync(R):
             int(got.num_nodes[0])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for field in ("token_ids", "parent_idx", "depths", "num_nodes", "top1", "nonfinite"):
+    for field in ("token_ids", "parents", "depths", "num_nodes", "scores", "top1",
+                  "nonfinite"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
